@@ -1,0 +1,66 @@
+"""Shared plumbing for llmplug's Triton ops: availability, interpreter mode, launch wrapping.
+
+Every op in ``llmplug/ops`` follows one pattern:
+
+* a Triton kernel ``_<op>_kernel``;
+* a pure-PyTorch reference ``<op>_ref`` (the CPU path, and the oracle in tests);
+* a ``torch.library.triton_op`` named ``llmplug::<op>`` whose body launches the kernel when
+  :func:`use_triton` says so and otherwise calls the reference.
+
+Under ``TRITON_INTERPRET=1`` (set before ``triton`` is imported) the kernels run on CPU tensors through
+Triton's interpreter; that is how CPU CI tests them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - platforms without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+__all__ = ["HAS_TRITON", "INTERPRET", "llmplug_op", "maybe_wrap", "next_pow2", "tl", "triton", "use_triton"]
+
+
+def llmplug_op(name: str, mutates_args: tuple[str, ...] | str = ()):
+    """Decorator registering ``llmplug::<name>``.
+
+    ``torch.library.triton_op`` (Inductor traces into the Triton launch) normally; under the interpreter an opaque
+    ``torch.library.custom_op``, because interpreted kernels cannot run on the fake tensors tracing uses.
+    """
+    register = torch.library.custom_op if INTERPRET else torch.library.triton_op
+    return register(f"llmplug::{name}", mutates_args=mutates_args)
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the Triton kernel (not the reference) should run on tensor ``t``'s device."""
+    if not HAS_TRITON:
+        return False
+    if t.device.type == "cuda":
+        return True
+    return INTERPRET and t.device.type == "cpu"
+
+
+def maybe_wrap(kernel):
+    """``torch.library.wrap_triton(kernel)`` so Inductor can trace it; the bare kernel under the interpreter.
+
+    ``wrap_triton`` rejects interpreted kernels, so under ``TRITON_INTERPRET=1`` the kernel is launched directly.
+    """
+    if INTERPRET:
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (and >= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())

@@ -1,0 +1,76 @@
+"""Gated activations: ``act(x[..., :N]) * x[..., N:]`` for SiLU (Llama, Qwen, Mistral, Phi-3) and GELU-tanh (Gemma).
+
+The MLP's fused gate/up projection produces ``gu: (T, 2N)``; this op turns it into ``(T, N)`` in one pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def act_and_mul_ref(gu: torch.Tensor, activation: str) -> torch.Tensor:
+    """Reference. ``gu: (T, 2N)`` -> ``(T, N)`` in ``gu.dtype``; math in fp32."""
+    n = gu.shape[-1] // 2
+    gate, up = gu[..., :n].float(), gu[..., n:].float()
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return (act * up).to(gu.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _act_and_mul_kernel(gu_ptr, out_ptr, N, stride_gu, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + row * stride_gu + N + cols, mask=mask, other=0.0).to(tl.float32)
+        if ACT == "silu":
+            act = gate / (1.0 + tl.exp(-gate))
+        else:  # gelu_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+            act = 0.5 * gate * (1.0 + tanh)
+        tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@llmplug_op("act_and_mul")
+def _act_and_mul_op(gu: torch.Tensor, activation: str) -> torch.Tensor:
+    if not use_triton(gu):
+        return act_and_mul_ref(gu, activation)
+    assert gu.dim() == 2 and gu.stride(-1) == 1, "gu must be (T, 2N) with unit stride on the last dim"
+    rows, n = gu.shape[0], gu.shape[1] // 2
+    out = gu.new_empty((rows, n))
+    if rows == 0:
+        return out
+    block = min(1024, next_pow2(n))
+    grid = (rows, triton.cdiv(n, block))
+    maybe_wrap(_act_and_mul_kernel)[grid](gu, out, n, gu.stride(0), out.stride(0), ACT=activation, BLOCK=block)
+    return out
+
+
+@_act_and_mul_op.register_fake
+def _(gu, activation):
+    return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
+
+
+def act_and_mul(gu: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` for ``gu = cat([gate, up], -1)``.
+
+    Args:
+        gu: ``(..., 2N)`` bf16/fp16/fp32, last dim contiguous.
+        activation: ``"silu"`` or ``"gelu_tanh"``.
+
+    Returns:
+        ``(..., N)`` in ``gu.dtype``.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
+    lead = gu.shape[:-1]
+    out = torch.ops.llmplug.act_and_mul(gu.reshape(-1, gu.shape[-1]), activation)
+    return out.view(*lead, -1)

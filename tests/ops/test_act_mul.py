@@ -1,0 +1,41 @@
+import pytest
+import torch
+
+from llmplug.ops.act_mul import act_and_mul, act_and_mul_ref
+from tests.tolerances import assert_close_elementwise
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("rows", [1, 19, 99])
+@pytest.mark.parametrize("n", [64, 80, 200])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_matches_reference(rows, n, dtype, activation):
+    gu = torch.randn(rows, 2 * n, dtype=dtype) * 3
+    out = act_and_mul(gu, activation)
+    assert_close_elementwise(out, act_and_mul_ref(gu, activation))
+
+
+def test_reference_matches_torch_definition():
+    gu = torch.randn(7, 32, dtype=torch.float64)
+    gate, up = gu.chunk(2, -1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert torch.allclose(act_and_mul_ref(gu, "silu"), expected)
+
+
+def test_leading_dims_and_bad_activation():
+    gu = torch.randn(2, 3, 16)
+    assert act_and_mul(gu).shape == (2, 3, 8)
+    with pytest.raises(ValueError, match="relu"):
+        act_and_mul(gu, "relu")
+
+
+def test_opcheck():
+    torch.library.opcheck(torch.ops.llmplug.act_and_mul.default, (torch.randn(5, 16), "silu"))
+
+
+def test_compiles():
+    fn = torch.compile(lambda x: act_and_mul(x, "silu") * 2, fullgraph=True)
+    gu = torch.randn(3, 8)
+    assert_close_elementwise(fn(gu), act_and_mul_ref(gu, "silu") * 2)

@@ -1,0 +1,69 @@
+"""``OptimizeConfig``: every knob of ``llmplug.optimize``, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+__all__ = ["OptimizeConfig"]
+
+_BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class OptimizeConfig:
+    """Settings for :func:`llmplug.optimize`. Unknown keys and bad values raise, naming the allowed ones.
+
+    Attributes:
+        fuse: apply the model family's fused kernels (RMSNorm, RoPE, fused q/k/v and gate/up GEMMs); families
+            without a patch run through ``transformers.AttentionInterface`` only.
+        kv_block_size: tokens per KV page.
+        kv_num_blocks: pages in the KV pool; ``None`` sizes the pool from ``kv_memory_fraction``.
+        kv_memory_fraction: share of the device's free memory (after weights) given to the KV pool on CUDA;
+            on CPU, the share of physical memory.
+        cuda_graphs: replay CUDA graphs for decode steps (CUDA only).
+        graph_batch_sizes: batch-size buckets captured for decode; larger batches run eagerly.
+        max_prefill_tokens: prompt tokens packed into one forward pass; longer prompts are chunked.
+        max_model_len: longest sequence (prompt + new tokens); ``None`` takes the model config's
+            ``max_position_embeddings``.
+    """
+
+    fuse: bool = True
+    kv_block_size: int = 16
+    kv_num_blocks: int | None = None
+    kv_memory_fraction: float = 0.6
+    cuda_graphs: bool = True
+    graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128))
+    max_prefill_tokens: int = 8192
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("fuse", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.kv_block_size not in _BLOCK_SIZES:
+            raise ValueError(f"kv_block_size={self.kv_block_size!r} is not supported; choose one of {_BLOCK_SIZES}")
+        if self.kv_num_blocks is not None and (not isinstance(self.kv_num_blocks, int) or self.kv_num_blocks < 1):
+            raise ValueError(f"kv_num_blocks={self.kv_num_blocks!r} must be a positive int or None")
+        if not (isinstance(self.kv_memory_fraction, (int, float)) and 0.0 < self.kv_memory_fraction < 1.0):
+            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction!r} must be a float in (0, 1)")
+        sizes = tuple(self.graph_batch_sizes)
+        if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
+            raise ValueError(f"graph_batch_sizes={self.graph_batch_sizes!r} must be positive ints")
+        object.__setattr__(self, "graph_batch_sizes", tuple(sorted(set(sizes))))
+        if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens!r} must be a positive int")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive int or None")
+
+    @classmethod
+    def from_overrides(cls, config: OptimizeConfig | None = None, **overrides) -> OptimizeConfig:
+        """``config`` (or the defaults) with ``overrides`` applied; unknown keys raise ``TypeError``."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown llmplug option(s) {unknown}; allowed: {sorted(known)}")
+        base = config if config is not None else cls()
+        if not isinstance(base, cls):
+            raise TypeError(f"config must be an OptimizeConfig, got {type(base).__name__}")
+        return dataclasses.replace(base, **overrides)

@@ -13,6 +13,7 @@ Triton's interpreter; that is how CPU CI tests them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -28,8 +29,9 @@ except ImportError:  # pragma: no cover - platforms without triton
     HAS_TRITON = False
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_cpu_kernels = [INTERPRET]
 
-__all__ = ["HAS_TRITON", "INTERPRET", "llmplug_op", "maybe_wrap", "next_pow2", "tl", "triton", "use_triton"]
+__all__ = ["HAS_TRITON", "INTERPRET", "cpu_kernels", "llmplug_op", "maybe_wrap", "next_pow2", "tl", "triton", "use_triton"]
 
 
 def llmplug_op(name: str, mutates_args: tuple[str, ...] | str = ()):
@@ -48,7 +50,20 @@ def use_triton(t: torch.Tensor) -> bool:
         return False
     if t.device.type == "cuda":
         return True
-    return INTERPRET and t.device.type == "cpu"
+    return _cpu_kernels[-1] and t.device.type == "cpu"
+
+
+@contextlib.contextmanager
+def cpu_kernels(enabled: bool):
+    """Run CPU tensors through the interpreted Triton kernels (``True``, needs ``TRITON_INTERPRET=1``) or the
+    references (``False``) inside this block."""
+    if enabled and not INTERPRET:
+        raise RuntimeError("CPU kernels need TRITON_INTERPRET=1 set before triton is imported")
+    _cpu_kernels.append(enabled)
+    try:
+        yield
+    finally:
+        _cpu_kernels.pop()
 
 
 def maybe_wrap(kernel):

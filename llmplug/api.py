@@ -1,0 +1,65 @@
+"""``optimize(model)`` / ``unoptimize(model)``: switch one HF model onto llmplug in place, and back."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .config import OptimizeConfig
+from .engine.attention import RUNTIME_ATTR
+from .engine.generate import llmplug_generate
+from .engine.runner import ModelRunner, hf_forward
+from .patches.decoder import FusedDecoder
+from .patches.registry import check_supported, family_of
+from .patches.undo import UndoLog
+
+_STATE_ATTR = "_llmplug_state"
+
+
+class _State:
+    def __init__(self, config: OptimizeConfig, runner: ModelRunner, log: UndoLog) -> None:
+        self.config, self.runner, self.log = config, runner, log
+
+
+def is_optimized(model: torch.nn.Module) -> bool:
+    return _STATE_ATTR in model.__dict__
+
+
+def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **overrides) -> torch.nn.Module:
+    """Make ``model.generate`` run on llmplug: paged KV, fused kernels, CUDA graphs. In place; returns ``model``.
+
+    Args:
+        model: a decoder-only HF causal LM, already on its device and dtype.
+        config: an :class:`OptimizeConfig`; keyword ``overrides`` replace single fields (unknown keys raise).
+
+    Raises:
+        UnsupportedModelError: the model cannot run on llmplug (the message names its ``model_type``).
+    """
+    config = OptimizeConfig.from_overrides(config, **overrides)
+    if is_optimized(model):
+        state = model.__dict__[_STATE_ATTR]
+        if state.config != config:
+            raise ValueError("model is already optimized with a different config; call llmplug.unoptimize first")
+        return model
+    check_supported(model)
+    log = UndoLog()
+    family = family_of(model) if config.fuse else None
+    forward = FusedDecoder(model, family[0], family[1], log) if family else hf_forward
+    runner = ModelRunner(model, config, forward)
+    for module in model.modules():
+        if hasattr(module, "layer_idx"):
+            log.set_attr(module, RUNTIME_ATTR, runner)
+    log.set_attr(model, "_llmplug_runner", runner)
+    log.set_attr(model, "generate", types.MethodType(llmplug_generate, model))
+    log.record(runner.release)
+    log.set_attr(model, _STATE_ATTR, _State(config, runner, log))
+    return model
+
+
+def unoptimize(model: torch.nn.Module) -> torch.nn.Module:
+    """Revert everything :func:`optimize` did (weights layout, methods, attributes) and free the KV pool."""
+    state = model.__dict__.get(_STATE_ATTR)
+    if state is not None:
+        state.log.undo_all()
+    return model

@@ -1,0 +1,1 @@
+"""The runtime: attention metadata, llmplug's attention function, the model runner and the generate loop."""

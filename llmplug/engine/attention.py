@@ -1,0 +1,66 @@
+"""llmplug's attention: write new K/V into the paged pool, then attend over the pages.
+
+Reached two ways: from any HF model through ``transformers.AttentionInterface`` (:func:`hf_paged_attention`,
+registered as ``"llmplug"``), and directly from the fused family forwards (:func:`paged_attention`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+
+from ..ops.decode_attention import decode_attention
+from ..ops.kv_store import store_kv
+from ..ops.prefill_attention import prefill_attention
+from .metadata import AttentionMetadata
+
+ATTENTION_NAME = "llmplug"
+RUNTIME_ATTR = "_llmplug_runtime"
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Store ``k, v`` into the pages and attend.
+
+    Args:
+        q: ``(T, H, D)``; k, v: ``(T, Hkv, D)`` (strided views allowed, last dim contiguous).
+        k_cache, v_cache: ``(num_blocks, P, Hkv, D)`` this layer's pages.
+        meta: the step's :class:`AttentionMetadata`.
+
+    Returns:
+        ``(T, H, D)`` contiguous.
+    """
+    window = -1 if sliding_window is None else int(sliding_window)
+    cap = 0.0 if softcap is None else float(softcap)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.is_decode:
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap)
+    return prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                             meta.max_seqlen_q, scale, window, cap)
+
+
+def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                       sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+    """``AttentionInterface`` entry: ``query (1, H, T, D)``, ``key/value (1, Hkv, T, D)`` -> ``((1, T, H, D), None)``.
+
+    The runtime (pages, step metadata) hangs off the attention module; the mask is unused (positions and
+    sequence boundaries come from the metadata).
+    """
+    runtime = getattr(module, RUNTIME_ATTR, None)
+    if runtime is None or runtime.meta is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} runs only inside llmplug's generate; "
+            "this module was not optimized by llmplug or is being called outside a llmplug step"
+        )
+    if query.shape[0] != 1:
+        raise RuntimeError(f"llmplug packs tokens into batch 1, got query batch {query.shape[0]}")
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    k_cache, v_cache = runtime.cache.layer(module.layer_idx)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = paged_attention(q, k, v, k_cache, v_cache, runtime.meta, scale, sliding_window, softcap)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, hf_paged_attention)

@@ -1,0 +1,110 @@
+"""``model.generate`` on llmplug: HF prepares the inputs, llmplug runs the decoding loop on paged KV.
+
+The override calls ``GenerationMixin.generate(..., custom_generate=_decode_loop)``, so generation configs,
+special tokens, logits processors, stopping criteria, streamers and ``num_return_sequences`` are HF's own.
+Whatever the loop does not support goes to stock HF generate with a one-time warning naming the option.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import GenerationMixin
+from transformers.generation import GenerationMode
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .runner import ModelRunner
+from .sequences import SequenceBatch
+
+_SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+# generate() kwargs the loop understands; any other model kwarg (pixel_values, token_type_ids, ...) falls back.
+_KNOWN_KWARGS = {"input_ids", "attention_mask", "use_cache", "tokenizer", "logits_to_keep"}
+_warned: set[str] = set()
+
+
+def _fallback_reason(model, generation_config, kwargs: dict) -> str | None:
+    """Why this call must run on stock HF generate, or None."""
+    for name in ("assistant_model", "past_key_values", "inputs_embeds", "custom_generate", "synced_gpus",
+                 "negative_prompt_ids", "position_ids", "cache_position"):
+        if kwargs.get(name) is not None:
+            return name
+    extra = sorted(k for k in kwargs if k not in _KNOWN_KWARGS and not hasattr(model.generation_config, k)
+                   and k not in ("inputs", "generation_config", "logits_processor", "stopping_criteria", "streamer"))
+    if extra:
+        return ", ".join(extra)
+    config, _ = model._prepare_generation_config(generation_config, **{k: v for k, v in kwargs.items()
+                                                                         if hasattr(model.generation_config, k)})
+    mode = config.get_generation_mode(None)
+    if mode not in _SUPPORTED_MODES:
+        return f"{mode.value} (num_beams={config.num_beams})" if config.num_beams > 1 else mode.value
+    for flag in ("output_attentions", "output_hidden_states"):
+        if getattr(config, flag, False):
+            return flag
+    if config.cache_implementation == "paged":
+        return "cache_implementation='paged'"
+    if getattr(config, "guidance_scale", None) not in (None, 1.0):
+        return "guidance_scale"
+    return None
+
+
+def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
+    """HF ``generate`` with llmplug's decoding loop; same signature and return types."""
+    if inputs is not None:
+        kwargs["inputs"] = inputs
+    reason = _fallback_reason(model, generation_config, kwargs)
+    if reason is not None:
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"llmplug does not support {reason} yet; running stock transformers generate",
+                          stacklevel=2)
+        return type(model).generate(model, generation_config=generation_config, **kwargs)
+    return GenerationMixin.generate(model, generation_config=generation_config, custom_generate=_decode_loop,
+                                    **kwargs)
+
+
+@torch.inference_mode()
+def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
+                 synced_gpus: bool = False, streamer=None, **model_kwargs):
+    """Mirror of HF's ``_sample`` loop over llmplug's paged runner. ``input_ids: (B, L)`` prepared by HF."""
+    runner: ModelRunner = model._llmplug_runner
+    pad = generation_config._pad_token_tensor
+    want_dict = generation_config.return_dict_in_generate
+    scores = () if want_dict and generation_config.output_scores else None
+    raw_logits = () if want_dict and generation_config.output_logits else None
+    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    batch = input_ids.shape[0]
+    unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
+
+    seqs = SequenceBatch(runner, input_ids, model_kwargs.get("attention_mask"), generation_config.max_length)
+    try:
+        logits = seqs.prefill()
+        while True:
+            next_logits = logits.to(copy=True, dtype=torch.float32)
+            next_scores = logits_processor(input_ids, next_logits)
+            if scores is not None:
+                scores += (next_scores,)
+            if raw_logits is not None:
+                raw_logits += (next_logits,)
+            if generation_config.do_sample:
+                next_tokens = torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                next_tokens = torch.argmax(next_scores, dim=-1)
+            if has_eos:
+                next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
+            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+            if streamer is not None:
+                streamer.put(next_tokens.cpu())
+            unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+            active = unfinished.nonzero().squeeze(1).tolist()
+            if not active:
+                break
+            logits = seqs.decode(next_tokens, active, logits)
+    finally:
+        seqs.release()
+    if streamer is not None:
+        streamer.end()
+    if want_dict:
+        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits,
+                                         past_key_values=None)
+    return input_ids

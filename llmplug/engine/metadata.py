@@ -1,0 +1,32 @@
+"""What one forward pass needs to know about its tokens, beyond ids and positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Paged-attention inputs for one step; every tensor is on the model's device.
+
+    Prefill (``is_decode`` False): sequences packed without padding, some possibly continuing from cached context.
+    Decode (``is_decode`` True): one new token per sequence, ``T == B``.
+
+    Attributes:
+        slot_mapping: ``(T,) int64`` KV slot of each new token (< 0: write nothing).
+        block_tables: ``(B, M) int32`` page ids of each sequence.
+        cu_seqlens_q: ``(B+1,) int32`` prefill only: row offsets of each sequence's new tokens.
+        context_lens: ``(B,) int32`` prefill only: tokens already cached before this step.
+        max_seqlen_q: prefill only: longest new-token run.
+        seq_lens: ``(B,) int32`` decode only: cached tokens including the new one (0: padding row).
+    """
+
+    is_decode: bool
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    seq_lens: torch.Tensor | None = None

@@ -1,0 +1,162 @@
+"""Runs one packed step of the model: prefill eagerly, decode through CUDA graphs captured per batch bucket."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from ..config import OptimizeConfig
+from ..kv.cache import PagedKVCache
+from .attention import ATTENTION_NAME
+from .metadata import AttentionMetadata
+
+# (runner, input_ids (T,), positions (T,), logits_indices (B,) or None) -> logits (B, V)
+ForwardFn = Callable[["ModelRunner", torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+_MAX_BLOCKS = 1 << 18
+
+
+def hf_forward(runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Tensor,
+               logits_indices: torch.Tensor | None) -> torch.Tensor:
+    """The model's own HF forward with llmplug attention swapped in (any decoder-only family)."""
+    keep = logits_indices if logits_indices is not None else 0
+    with runner.llmplug_attention():
+        out = runner.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                           logits_to_keep=keep)
+    return out.logits[0]
+
+
+class ModelRunner:
+    """Owns the KV pool, the current step's metadata and the decode graphs of one optimized model."""
+
+    def __init__(self, model: torch.nn.Module, config: OptimizeConfig, forward_fn: ForwardFn) -> None:
+        self.model = model
+        self.config = config
+        self.forward_fn = forward_fn
+        self.meta: AttentionMetadata | None = None
+        text = model.config.get_text_config()
+        self.num_layers = text.num_hidden_layers
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.max_model_len = config.max_model_len or getattr(text, "max_position_embeddings", 8192)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.cache: PagedKVCache | None = None
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
+        self._hf_configs = self._attention_configs()
+
+    # ---- KV pool -------------------------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.kv_block_size
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def ensure_cache(self) -> PagedKVCache:
+        """Allocate the KV pool on first use (sized by ``kv_num_blocks`` or ``kv_memory_fraction``)."""
+        if self.cache is None:
+            per_block = PagedKVCache.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
+                                                     self.head_dim, self.dtype)
+            n = self.config.kv_num_blocks
+            if n is None:
+                n = PagedKVCache.budget_bytes(self.device, self.config.kv_memory_fraction) // per_block
+                n = min(n, _MAX_BLOCKS)
+            if n < 1:
+                raise MemoryError(f"no memory left for a single KV page of {per_block} bytes on {self.device}")
+            self.cache = PagedKVCache(self.num_layers, n, self.block_size, self.num_kv_heads, self.head_dim,
+                                      self.dtype, self.device)
+        return self.cache
+
+    def release(self) -> None:
+        """Free the KV pool and graphs (``unoptimize``)."""
+        self._graphs.clear()
+        self.cache = None
+        self.meta = None
+
+    # ---- HF attention switch -------------------------------------------------------------------------------
+    def _attention_configs(self) -> list:
+        configs = {id(m.config): m.config for m in self.model.modules()
+                   if hasattr(m, "layer_idx") and hasattr(m, "config")}
+        return list(configs.values()) or [self.model.config]
+
+    @contextlib.contextmanager
+    def llmplug_attention(self):
+        """Point the model's attention modules at llmplug's paged attention for the duration of a step."""
+        saved = [c._attn_implementation_internal for c in self._hf_configs]
+        for c in self._hf_configs:
+            c._attn_implementation_internal = ATTENTION_NAME
+        try:
+            yield
+        finally:
+            for c, s in zip(self._hf_configs, saved):
+                c._attn_implementation_internal = s
+
+    # ---- steps ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """Eager step: ``input_ids, positions (T,)`` -> logits ``(B, V)`` of the rows ``logits_indices``."""
+        self.ensure_cache()
+        self.meta = meta
+        try:
+            return self.forward_fn(self, input_ids, positions, logits_indices)
+        finally:
+            self.meta = None
+
+    def graph_bucket(self, batch: int) -> int | None:
+        if not (self.config.cuda_graphs and self.device.type == "cuda"):
+            return None
+        return next((b for b in self.config.graph_batch_sizes if b >= batch), None)
+
+    @torch.inference_mode()
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Decode step (one token per sequence, ``(B,)`` inputs) -> logits ``(B, V)``; replays a graph if it can."""
+        batch = input_ids.shape[0]
+        bucket = self.graph_bucket(batch)
+        if bucket is None:
+            return self.forward(input_ids, positions, meta, None)
+        graph, buf = self._graphs.get(bucket) or self._capture(bucket)
+        width = meta.block_tables.shape[1]
+        buf["input_ids"][:batch].copy_(input_ids)
+        buf["positions"][:batch].copy_(positions)
+        buf["slot_mapping"][:batch].copy_(meta.slot_mapping)
+        buf["seq_lens"][:batch].copy_(meta.seq_lens)
+        buf["block_tables"][:batch, :width].copy_(meta.block_tables)
+        if batch < bucket:
+            buf["slot_mapping"][batch:].fill_(-1)
+            buf["seq_lens"][batch:].zero_()
+        graph.replay()
+        return buf["logits"][:batch]
+
+    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]:
+        self.ensure_cache()
+        dev = self.device
+        buf = {
+            "input_ids": torch.zeros(bucket, dtype=torch.long, device=dev),
+            "positions": torch.zeros(bucket, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((bucket,), -1, dtype=torch.long, device=dev),
+            "seq_lens": torch.zeros(bucket, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(bucket, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+        }
+        meta = AttentionMetadata(is_decode=True, slot_mapping=buf["slot_mapping"], block_tables=buf["block_tables"],
+                                 seq_lens=buf["seq_lens"])
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels, lazy buffers are made
+                self.forward(buf["input_ids"], buf["positions"], meta, None)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool()):
+            buf["logits"] = self.forward(buf["input_ids"], buf["positions"], meta, None)
+        self._graphs[bucket] = (graph, buf)
+        return graph, buf
+
+    def _graph_pool(self):
+        if not hasattr(self, "_pool"):
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool

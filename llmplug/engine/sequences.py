@@ -1,0 +1,131 @@
+"""A static batch of sequences on the paged KV pool: unpadding, chunked prefill, growing pages, decode steps."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv.allocator import SequenceBlocks
+from .metadata import AttentionMetadata
+from .runner import ModelRunner
+
+
+class SequenceBatch:
+    """The rows of one ``generate`` call.
+
+    Args:
+        runner: the model's runner (owns the KV pool).
+        input_ids: ``(B, L)`` prompts, left- or right-padded.
+        attention_mask: ``(B, L)`` 1 for real tokens, or None when nothing is padded.
+        max_length: longest total length a row may reach (prompt + new tokens).
+    """
+
+    def __init__(self, runner: ModelRunner, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 max_length: int) -> None:
+        self.runner = runner
+        self.device = input_ids.device
+        cache = runner.ensure_cache()
+        self.block_size = cache.block_size
+        if attention_mask is None:
+            self.prompts = list(input_ids)
+        else:
+            mask = attention_mask.bool()
+            self.prompts = [row[m] for row, m in zip(input_ids, mask)]
+        lengths = [int(p.numel()) for p in self.prompts]
+        if min(lengths) == 0:
+            raise ValueError(f"row {lengths.index(0)} of input_ids has no unmasked token: an empty prompt")
+        longest = max(max(lengths), max_length)
+        if longest > runner.max_model_len:
+            raise ValueError(f"sequences of up to {longest} tokens exceed max_model_len={runner.max_model_len}; "
+                             "pass optimize(model, max_model_len=...) or shorten max_length/max_new_tokens")
+        self.lengths = lengths  # tokens each row has in the KV cache once its latest token is stored
+        self.blocks = [SequenceBlocks(cache.allocator, self.block_size) for _ in self.prompts]
+        width = -(-longest // self.block_size)
+        self.block_table = torch.zeros(len(self.prompts), width, dtype=torch.int32)
+        self.block_table_dev = self.block_table.to(self.device)
+
+    # ---- pages ---------------------------------------------------------------------------------------------
+    def _grow(self, row: int, num_tokens: int) -> None:
+        seq = self.blocks[row]
+        old = len(seq.blocks)
+        if seq.ensure(num_tokens):
+            new = torch.tensor(seq.blocks[old:], dtype=torch.int32)
+            self.block_table[row, old:old + len(new)] = new
+            self.block_table_dev[row, old:old + len(new)].copy_(new, non_blocking=True)
+
+    def _slot(self, row: int, pos: int) -> int:
+        return self.blocks[row].blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def release(self) -> None:
+        for seq in self.blocks:
+            if seq.blocks:
+                seq.release()
+
+    # ---- steps ---------------------------------------------------------------------------------------------
+    def prefill(self) -> torch.Tensor:
+        """Run every prompt through the model in chunks of ``max_prefill_tokens``; logits ``(B, V)`` of last tokens."""
+        budget = self.runner.config.max_prefill_tokens
+        logits = [None] * len(self.prompts)
+        done = [0] * len(self.prompts)
+        row = 0
+        while row < len(self.prompts):
+            rows, starts, takes, left = [], [], [], budget
+            while row < len(self.prompts) and left > 0:
+                take = min(self.lengths[row] - done[row], left)
+                rows.append(row)
+                starts.append(done[row])
+                takes.append(take)
+                left -= take
+                done[row] += take
+                if done[row] == self.lengths[row]:
+                    row += 1
+            out = self._prefill_chunk(rows, starts, takes)
+            for i, r in enumerate(rows):
+                if starts[i] + takes[i] == self.lengths[r]:
+                    logits[r] = out[i]
+        return torch.stack(logits)
+
+    def _prefill_chunk(self, rows: list[int], starts: list[int], takes: list[int]) -> torch.Tensor:
+        ids, positions, slots, cu = [], [], [], [0]
+        for r, s, n in zip(rows, starts, takes):
+            self._grow(r, s + n)
+            ids.append(self.prompts[r][s:s + n])
+            positions.extend(range(s, s + n))
+            slots.extend(self._slot(r, p) for p in range(s, s + n))
+            cu.append(cu[-1] + n)
+        dev = self.device
+        meta = AttentionMetadata(
+            is_decode=False,
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            block_tables=self.block_table_dev[rows],
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+            context_lens=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
+            max_seqlen_q=max(takes),
+        )
+        last = torch.tensor(cu[1:], dtype=torch.long).to(dev, non_blocking=True) - 1
+        return self.runner.forward(torch.cat(ids), torch.tensor(positions, dtype=torch.long).to(dev), meta, last)
+
+    def decode(self, tokens: torch.Tensor, active: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens (B,)`` of the ``active`` rows; returns ``logits (B, V)`` with those rows updated."""
+        positions, slots = [], []
+        for r in active:
+            pos = self.lengths[r]
+            self._grow(r, pos + 1)
+            positions.append(pos)
+            slots.append(self._slot(r, pos))
+            self.lengths[r] = pos + 1
+        host = torch.tensor([positions, slots], dtype=torch.long)
+        dev = host.to(self.device, non_blocking=True)
+        everyone = len(active) == len(self.prompts)
+        idx = None if everyone else torch.tensor(active, dtype=torch.long).to(self.device, non_blocking=True)
+        meta = AttentionMetadata(
+            is_decode=True,
+            slot_mapping=dev[1],
+            block_tables=self.block_table_dev if everyone else self.block_table_dev[idx],
+            seq_lens=(dev[0] + 1).to(torch.int32),
+        )
+        out = self.runner.decode(tokens if everyone else tokens[idx], dev[0], meta)
+        if everyone:
+            return out
+        logits = logits.clone()
+        logits[idx] = out.to(logits.dtype)
+        return logits

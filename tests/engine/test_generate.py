@@ -1,0 +1,172 @@
+"""HF generate features behave as stock HF does (fp32 CPU, reference kernels)."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, pipeline
+from transformers.generation.streamers import BaseStreamer
+
+import llmplug
+from llmplug.ops._triton import cpu_kernels
+from tests.tiny_models import make_model, pad, prompts
+from tests.tiny_tokenizer import make_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _references():
+    with cpu_kernels(False):
+        yield
+
+
+def _pair(family="llama"):
+    """A stock model and an optimized copy with the same weights."""
+    stock = make_model(family)
+    fast = make_model(family)
+    fast.load_state_dict(stock.state_dict())
+    return stock, llmplug.optimize(fast)
+
+
+def _both(stock, fast, seed=None, **kw):
+    outs = []
+    for m in (stock, fast):
+        if seed is not None:
+            torch.manual_seed(seed)
+        outs.append(m.generate(**kw))
+    return outs
+
+
+def test_sampling_with_seed_matches_stock_and_is_reproducible():
+    stock, fast = _pair()
+    ids, mask = pad(prompts(3))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20,
+              top_p=0.9, min_p=0.02, repetition_penalty=1.3)
+    a, b = _both(stock, fast, seed=7, **kw)
+    assert torch.equal(a, b)
+    _, c = _both(stock, fast, seed=7, **kw)
+    assert torch.equal(b, c)
+    _, d = _both(stock, fast, seed=8, **kw)
+    assert not torch.equal(c, d)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(eos_token_id=[5, 9, 17], max_new_tokens=15),
+    dict(min_new_tokens=6, max_new_tokens=9, eos_token_id=[5, 9, 17]),
+    dict(max_length=20),
+    dict(num_return_sequences=2, do_sample=True, max_new_tokens=6),
+    dict(generation_config=GenerationConfig(max_new_tokens=7, do_sample=False, repetition_penalty=2.0,
+                                            pad_token_id=0, eos_token_id=2)),
+])
+def test_generation_options_match_stock(kw):
+    stock, fast = _pair()
+    ids, mask = pad(prompts(3))
+    a, b = _both(stock, fast, seed=3, input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(a, b)
+
+
+def test_right_padding_gives_the_unpadded_answer():
+    stock, fast = _pair()
+    rows = prompts(3)
+    ids, mask = pad(rows, side="right")
+    out = fast.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    for i, r in enumerate(rows):
+        alone = stock.generate(input_ids=torch.tensor([r]), max_new_tokens=5, do_sample=False)
+        assert out[i, ids.shape[1]:].tolist() == alone[0, len(r):].tolist()
+
+
+def test_return_dict_scores_and_logits():
+    stock, fast = _pair()
+    ids, mask = pad(prompts(2))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True,
+              output_scores=True, output_logits=True, repetition_penalty=1.5)
+    a, b = _both(stock, fast, **kw)
+    assert type(a) is type(b)
+    assert torch.equal(a.sequences, b.sequences)
+    assert len(a.scores) == len(b.scores) == 4
+    for x, y in zip(a.scores + a.logits, b.scores + b.logits):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_stop_strings_and_custom_stopping_criteria():
+    stock, fast = _pair()
+    tok = make_tokenizer()
+    ids, mask = pad(prompts(2, vocab=len(tok)))
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= ids.shape[1] + 3, dtype=torch.bool)
+
+    a, b = _both(stock, fast, input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                 stopping_criteria=StoppingCriteriaList([StopAfter()]))
+    assert torch.equal(a, b) and b.shape[1] == ids.shape[1] + 3
+    text = tok.decode(stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10)[0, ids.shape[1]:])
+    stop = text[2:4]
+    a, b = _both(stock, fast, input_ids=ids, attention_mask=mask, max_new_tokens=10, stop_strings=[stop],
+                 tokenizer=tok)
+    assert torch.equal(a, b)
+
+
+def test_streamer_receives_prompt_then_each_token():
+    _, fast = _pair()
+    ids = torch.tensor([prompts(1)[0]])
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.tolist())
+
+        def end(self):
+            self.ended = True
+
+    s = Collect()
+    out = fast.generate(input_ids=ids, max_new_tokens=5, streamer=s, do_sample=False)
+    assert s.ended and s.puts[0] == ids.tolist()
+    assert [p[0] for p in s.puts[1:]] == out[0, ids.shape[1]:].tolist()
+
+
+def test_beam_search_falls_back_to_stock_with_a_warning():
+    stock, fast = _pair()
+    ids, mask = pad(prompts(2))
+    with pytest.warns(UserWarning, match="num_beams=3"):
+        b = fast.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=3)
+    a = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=3)
+    assert torch.equal(a, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one-time warning
+        fast.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, num_beams=3)
+
+
+def test_pipeline_text_and_chat():
+    stock, fast = _pair()
+    tok = make_tokenizer()
+    for inputs in (["hello there", "a"], [[{"role": "user", "content": "hi"}]]):
+        outs = [pipeline("text-generation", model=m, tokenizer=tok)(inputs, max_new_tokens=6, do_sample=False)
+                for m in (stock, fast)]
+        assert outs[0] == outs[1]
+
+
+def test_empty_prompt_and_too_long_raise():
+    _, fast = _pair()
+    with pytest.raises(ValueError, match="empty prompt"):
+        fast.generate(input_ids=torch.tensor([[0, 0], [5, 6]]), attention_mask=torch.tensor([[0, 0], [1, 1]]),
+                      max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        fast.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=300)
+
+
+def test_pages_cover_tokens_with_under_one_page_slack():
+    _, fast = _pair()
+    from llmplug.engine.sequences import SequenceBatch
+
+    ids, mask = pad(prompts(3, lengths=(5, 17, 33)))
+    batch = SequenceBatch(fast._llmplug_runner, ids, mask, max_length=64)
+    batch.prefill()
+    p = batch.block_size
+    for n, seq in zip(batch.lengths, batch.blocks):
+        assert n <= len(seq.blocks) * p < n + p
+    pool = fast._llmplug_runner.cache.allocator
+    before = pool.num_free
+    batch.release()
+    assert pool.num_free == before + sum(len(-(-n // p) * [0]) for n in (5, 17, 33))

@@ -1,0 +1,55 @@
+"""Tiny random-weight HF models of every family, built from config classes (no downloads)."""
+
+import torch
+import transformers as tf
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+FUSED = {
+    "llama": lambda: tf.LlamaConfig(**COMMON),
+    "mistral": lambda: tf.MistralConfig(**COMMON, sliding_window=7),
+    "qwen2": lambda: tf.Qwen2Config(**COMMON),
+    "qwen3": lambda: tf.Qwen3Config(**COMMON, head_dim=32),
+    "gemma": lambda: tf.GemmaConfig(**COMMON, head_dim=16),
+    "gemma2": lambda: tf.Gemma2Config(**{**COMMON, "num_hidden_layers": 3}, head_dim=16, sliding_window=6,
+                                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                      query_pre_attn_scalar=16),
+    "gemma3_text": lambda: tf.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 3}, head_dim=16, sliding_window=6,
+                                               sliding_window_pattern=2, query_pre_attn_scalar=16),
+    "phi3": lambda: tf.Phi3Config(**COMMON),
+}
+
+GENERIC = {
+    "gpt2": lambda: tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1,
+                                  eos_token_id=2, pad_token_id=0),
+    "olmo2": lambda: tf.Olmo2Config(**COMMON),
+}
+
+
+def make_model(name: str, dtype=torch.float32) -> torch.nn.Module:
+    """A fresh tiny model of family ``name`` (random weights seeded from the global RNG), eval mode."""
+    config = {**FUSED, **GENERIC}[name]()
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.no_grad():  # larger-than-init weights so logits are far from ties and tokens vary
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.25)
+    return model
+
+
+def prompts(batch: int, lengths=(5, 11, 3, 8), vocab: int = 128, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(batch)]
+
+
+def pad(rows: list[list[int]], side: str = "left", pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` padded on ``side``."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        sl = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+        ids[i, sl] = torch.tensor(r)
+        mask[i, sl] = 1
+    return ids, mask

@@ -1,0 +1,157 @@
+"""RMSNorm, plain and fused with the residual add, for Llama-style (``w``) and Gemma-style (``1 + w``) weights.
+
+``rms_norm`` also normalises per head: ``x: (T, H, D)`` may be a strided view into a fused qkv projection (Qwen3 and
+Gemma3 q/k norm). ``add_rms_norm`` replaces the decoder layer's ``residual + x`` followed by the next norm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """Reference. ``x: (..., N)``, ``weight: (N,)`` -> contiguous ``x.shape`` in ``x.dtype``; math in fp32."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())
+    return out.to(x.dtype).contiguous()
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference. Returns ``(rms_norm(x + residual), x + residual)``; the sum is rounded to ``x.dtype`` first."""
+    residual_out = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm_ref(residual_out, weight, eps, offset), residual_out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner, N, stride_xo, stride_xi,
+                         stride_res, eps, offset, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # Row r of the (n_rows, N) output is x[r // inner, r % inner, :]; a 2D x has inner == 1.
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK)
+        mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
+        x_offs = ((rows // inner) * stride_xo + (rows % inner) * stride_xi)[:, None] + cols[None, :]
+        out_offs = (rows * N)[:, None] + cols[None, :]
+        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + (rows * stride_res)[:, None] + cols[None, :], mask=mask, other=0.0)
+            summed = (x + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + out_offs, summed, mask=mask)
+            x = summed.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
+        out = x * rstd[:, None] * w[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_config(n: int) -> tuple[int, int, int]:
+    """``(BLOCK, ROWS, num_warps)`` for rows of length ``n``: several rows per program when rows are short."""
+    block = next_pow2(n)
+    rows = max(1, 1024 // block)
+    num_warps = min(32, max(1, rows * block // 512))
+    return block, rows, num_warps
+
+
+def _launch(x, weight, out, eps, offset, residual=None, residual_out=None):
+    """Normalise rows of ``x`` into ``out``; with ``residual``, add it first and store the sum in ``residual_out``."""
+    inner, stride_xi = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
+    n_rows, n = x.shape[0] * inner, x.shape[-1]
+    block, rows, num_warps = _launch_config(n)
+    has_residual = residual is not None
+    if not has_residual:  # unused pointers: any tensor will do
+        residual, residual_out = x, out
+    maybe_wrap(_rms_norm_kernel)[(triton.cdiv(n_rows, rows),)](
+        x, residual, weight, out, residual_out, n_rows, inner, n, x.stride(0), stride_xi, residual.stride(0), eps,
+        offset, HAS_RESIDUAL=has_residual, ROWS=rows, BLOCK=block, num_warps=num_warps)
+
+
+@llmplug_op("rms_norm")
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    if not use_triton(x):
+        return rms_norm_ref(x, weight, eps, offset)
+    assert x.dim() in (2, 3) and x.stride(-1) == 1, "x must be (R, N) or (T, H, N) with unit stride on the last dim"
+    assert weight.shape == x.shape[-1:] and weight.stride(0) == 1, "weight must be a contiguous (N,) vector"
+    out = x.new_empty(x.shape)
+    if out.numel() > 0:
+        _launch(x, weight, out, eps, offset)
+    return out
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, offset):
+    return x.new_empty(x.shape)
+
+
+@llmplug_op("add_rms_norm")
+def _add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(x):
+        return add_rms_norm_ref(x, residual, weight, eps, offset)
+    assert x.dim() == 2 and x.stride(-1) == 1, "x must be (R, N) with unit stride on the last dim"
+    assert residual.shape == x.shape and residual.stride(-1) == 1, "residual must be (R, N) like x"
+    assert residual.dtype == x.dtype, "x and residual must share a dtype"
+    assert weight.shape == x.shape[-1:] and weight.stride(0) == 1, "weight must be a contiguous (N,) vector"
+    out = x.new_empty(x.shape)
+    residual_out = x.new_empty(x.shape)
+    if x.numel() > 0:
+        _launch(x, weight, out, eps, offset, residual, residual_out)
+    return out, residual_out
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight.shape={tuple(weight.shape)} does not match the last dim of x.shape={tuple(x.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2, -1) + eps) * (offset + weight)``, computed in fp32.
+
+    Args:
+        x: ``(R, N)`` rows, or ``(T, H, N)`` heads (e.g. a strided view into a fused qkv tensor); bf16/fp16/fp32,
+            last dim contiguous.
+        weight: ``(N,)``, any float dtype.
+        eps: added to the mean square.
+        offset: ``0.0`` for Llama-style ``w``, ``1.0`` for Gemma-style ``(1 + w)``.
+
+    Returns:
+        A new contiguous tensor of ``x.shape`` in ``x.dtype``.
+    """
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be (R, N) or (T, H, N); got x.shape={tuple(x.shape)}")
+    _check_weight(x, weight)
+    return torch.ops.llmplug.rms_norm(x, weight, float(eps), float(offset))
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add fused with RMSNorm: ``s = x + residual`` (rounded to ``x.dtype``), then ``rms_norm(s)``.
+
+    Args:
+        x: ``(R, N)`` bf16/fp16/fp32, last dim contiguous.
+        residual: ``(R, N)``, same dtype as ``x``, last dim contiguous.
+        weight: ``(N,)``, any float dtype.
+        eps: added to the mean square.
+        offset: ``0.0`` for Llama-style ``w``, ``1.0`` for Gemma-style ``(1 + w)``.
+
+    Returns:
+        ``(out, residual_out)``: new ``(R, N)`` tensors in ``x.dtype``; ``residual_out = x + residual`` and
+        ``out = rms_norm(residual_out)``. The inputs are not modified.
+    """
+    if x.dim() != 2 or residual.shape != x.shape:
+        raise ValueError(f"x and residual must both be (R, N); got {tuple(x.shape)} and {tuple(residual.shape)}")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"residual.dtype={residual.dtype} differs from x.dtype={x.dtype}")
+    _check_weight(x, weight)
+    return torch.ops.llmplug.add_rms_norm(x, residual, weight, float(eps), float(offset))

@@ -1,0 +1,485 @@
+"""Decode attention over the paged KV cache: one new query token per sequence (flash-decoding).
+
+Cache layout (shared with ``store_kv``): ``k_cache, v_cache: (num_blocks, P, Hkv, D)`` contiguous; sequence ``b``'s
+``i``-th token lives in block ``block_tables[b, i // P]`` at offset ``i % P``.
+
+Kernel design:
+
+* grid ``(B, Hkv, num_splits)``. A program owns one kv head of one sequence and *all* ``H // Hkv`` query heads that
+  share it (GQA): the group is the M dim of a ``tl.dot`` (padded to 16 rows), so each K/V row is read once per kv head.
+* The context is split into ``num_splits`` contiguous ranges of ``BLOCK_N``-token tiles (flash-decoding). The split
+  count depends only on static shapes (batch, kv heads, SM count, block-table width), never on ``seq_lens`` values, so
+  the op is CUDA-graph safe; the tile ranges themselves are computed on the device from ``seq_lens``. With one split
+  the kernel writes the output directly; otherwise each split writes an fp32 partial output plus its log-sum-exp and a
+  small second kernel combines them. Splits with no tokens write ``lse = -inf`` and are ignored by the combine.
+* Inner loop: per tile, load the block ids of its tokens, gather ``BLOCK_N`` K rows (``D`` contiguous elements, stride
+  ``Hkv * D`` between tokens of a page: 16-byte loads), ``q @ k^T`` in fp32, online softmax in base 2 (``log2(e)``
+  folded into the scale), then ``p @ v``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._triton import INTERPRET, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+
+LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30  # passed to the kernel as the window when there is none
+_MAX_SPLITS = 64
+_MIN_TILES_PER_SPLIT = 4
+_INTERPRETER_SMS = 4  # pretend SM count under the interpreter / on CPU, so small tests still get several splits
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Reference (plain PyTorch, no host sync). ``q: (B, H, D)`` -> ``(B, H, D)`` in ``q.dtype``.
+
+    Like eager Hugging Face attention: both matmuls in the input dtype, softcap and softmax in fp32 (fp64 for fp64
+    inputs). Every sequence gathers all ``block_tables.shape[1]`` pages; positions past ``seq_lens[b]`` (or outside the
+    sliding window) are masked, their K/V zeroed (garbage block ids are clamped into range), and rows with
+    ``seq_lens[b] == 0`` come out as zeros.
+    """
+    bsz, num_heads, head_dim = q.shape
+    num_blocks, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    ctx = block_tables.shape[1] * page
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    ids = block_tables.long().clamp(0, num_blocks - 1)
+    pos = torch.arange(ctx, device=q.device)
+    n = seq_lens.long()[:, None]
+    valid = pos[None, :] < n  # (B, ctx)
+    if sliding_window > 0:
+        valid &= pos[None, :] >= n - sliding_window
+    mask4 = valid[:, :, None, None]
+    k = torch.where(mask4, k_cache[ids].reshape(bsz, ctx, num_kv_heads, head_dim), 0)
+    v = torch.where(mask4, v_cache[ids].reshape(bsz, ctx, num_kv_heads, head_dim), 0)
+
+    qg = q.reshape(bsz, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k).to(acc) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(valid[:, None, None, :], probs, 0)  # rows with no valid key: NaN -> 0
+    out = torch.einsum("bkgl,blkd->bkgd", probs.to(q.dtype), v)
+    return out.reshape(bsz, num_heads, head_dim)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(x):
+        # Accurate for fp32 also near 0 (1 - exp(-2|x|) cancels there): odd Taylor polynomial for |x| < 0.3.
+        ax = tl.abs(x)
+        x2 = x * x
+        poly = -0.008863235529902197  # Taylor coefficients of tanh(x) / x in x^2, highest first
+        poly = poly * x2 + 0.021869488536155203
+        poly = poly * x2 - 0.05396825396825397
+        poly = poly * x2 + 0.13333333333333333
+        poly = poly * x2 - 0.3333333333333333
+        poly = x * (poly * x2 + 1.0)
+        e = tl.exp(-2.0 * ax)
+        big = (1.0 - e) / (1.0 + e)
+        big = tl.where(x < 0, -big, big)
+        return tl.where(ax < 0.3, poly, big)
+
+    @triton.jit
+    def _rtne(x, DTYPE: tl.constexpr):
+        """fp32 ``x`` rounded to ``DTYPE`` (nearest even), kept in fp32: what the GPU's ``x.to(DTYPE)`` gives.
+
+        Interpreter only: it truncates fp32 -> bf16 casts (the GPU rounds), and its ``tl.dot`` mishandles bf16.
+        """
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        else:
+            return x.to(DTYPE).to(tl.float32)
+
+    @triton.jit
+    def _decode_attn_kernel(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        seq_lens_ptr,
+        out_ptr,
+        part_ptr,
+        lse_ptr,
+        score_scale,
+        cap_scale,
+        window,
+        num_heads,
+        stride_qb,
+        stride_qh,
+        stride_cb,
+        stride_cp,
+        stride_ch,
+        stride_bt,
+        stride_ob,
+        stride_oh,
+        GROUP: tl.constexpr,
+        PAGE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = kvh * GROUP + offs_h
+        h_mask = offs_h < GROUP
+        if BLOCK_D == HEAD_DIM:
+            hd_mask = h_mask[:, None]
+        else:
+            hd_mask = h_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
+        if INTERPRETED:
+            q = q.to(tl.float32)
+
+        # This split's tiles. Tile t covers positions [t * BLOCK_N, (t + 1) * BLOCK_N); the visible positions are
+        # [win_start, seq_len), so every tile in [tile_lo, tile_hi) holds at least one visible key.
+        seq_len = tl.load(seq_lens_ptr + b)
+        win_start = tl.maximum(seq_len - window, 0)
+        tile_lo = win_start // BLOCK_N
+        tile_hi = tl.cdiv(seq_len, BLOCK_N)
+        n_tiles = tl.maximum(tile_hi - tile_lo, 0)
+        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        t_start = tile_lo + split * per_split
+        t_end = tl.minimum(t_start + per_split, tile_hi)
+
+        bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+        k_base = k_cache_ptr + kvh.to(tl.int64) * stride_ch
+        v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for t in range(t_start, t_end):
+            pos = t * BLOCK_N + offs_n
+            n_mask = (pos < seq_len) & (pos >= win_start)
+            # Block ids of the tile's tokens (masked: entries past the sequence are never read).
+            blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+            in_page = (pos % PAGE).to(tl.int64)
+            if BLOCK_D == HEAD_DIM:
+                kv_mask = n_mask[:, None]
+            else:
+                kv_mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+            rows = blk * stride_cb + in_page * stride_cp  # K and V caches share one layout
+            k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if INTERPRETED:
+                k = k.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N) fp32
+            if SOFTCAP:
+                s = _tanh(qk * score_scale) * cap_scale
+            else:
+                s = qk * score_scale
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+
+            v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            # Like flash attention: P in the input dtype for the PV matmul.
+            if INTERPRETED:
+                p = _rtne(p, v.dtype)
+                v = v.to(tl.float32)
+            else:
+                p = p.to(v.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        has_keys = l_i > 0.0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # no keys (padding row / empty split): zeros
+        if NUM_SPLITS == 1:
+            if INTERPRETED:
+                out = _rtne(out, out_ptr.dtype.element_ty)
+            o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+        else:
+            row = (b * num_heads + heads).to(tl.int64) * NUM_SPLITS + split
+            tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hd_mask)
+            lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + row, lse, mask=h_mask)
+
+    @triton.jit
+    def _decode_attn_combine_kernel(
+        part_ptr,
+        lse_ptr,
+        out_ptr,
+        num_heads,
+        stride_ob,
+        stride_oh,
+        NUM_SPLITS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        row0 = (b * num_heads + h).to(tl.int64) * NUM_SPLITS
+        lse = tl.load(lse_ptr + row0 + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+        used = lse > float("-inf")  # splits past the sequence's end wrote -inf
+        m = tl.max(lse, 0)
+        m = tl.where(m > float("-inf"), m, 0.0)
+        w = tl.where(used, tl.exp2(lse - m), 0.0)
+        part = tl.load(
+            part_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=used[:, None] & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        total = tl.sum(w, 0)
+        out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+        if INTERPRETED:
+            out = _rtne(out, out_ptr.dtype.element_ty)
+        o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_d
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _INTERPRETER_SMS
+
+
+def _tile_config(head_dim: int, elem_size: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` for a (padded) head dim and element size in bytes."""
+    # NOTE: untuned. fp16/bf16: 64 tokens per tile up to D=128, else 32, so one K or V tile is <= 16 KiB. fp32 (ieee
+    # dots run on FMA units, which need many more registers): 16. Compile-only check (triton 3.9, sm_90a, ptxas): bf16
+    # D=128 -> 96-126 registers, 39 KiB shared memory (the pipeliner prefetches the next tile's K/V and the block ids
+    # two tiles ahead), so >= 4 programs fit per SM and batch 64 x 8 kv heads = 512 programs is one wave on 132 SMs;
+    # bf16 D=256 -> 158 registers (3 per SM); fp32 D<=256 -> <= 128 registers, no spills (fp32 BLOCK_N=32 spilled).
+    if elem_size >= 4:
+        block_n = 16
+    else:
+        block_n = 64 if head_dim <= 128 else 32
+    return block_n, 4, 3
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
+    """Flash-decoding split count from static quantities only (CUDA-graph safe: never from ``seq_lens`` values).
+
+    Aims for about two programs per SM (``batch * num_kv_heads * splits >= 2 * num_sms``), but gives every split at
+    least ``_MIN_TILES_PER_SPLIT`` tiles of the longest possible context, and caps at ``_MAX_SPLITS``. E.g. on 132
+    SMs with 8 kv heads and 8k context in 64-token tiles: batch 1 -> 32 splits, batch 8 -> 5, batch 64 -> 1.
+    """
+    # NOTE: untuned (target occupancy, minimum split length and cap are guesses to revisit on the H100/H200).
+    want = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
+    cap = max(1, triton.cdiv(max_context, block_n) // _MIN_TILES_PER_SPLIT)
+    return max(1, min(want, cap, _MAX_SPLITS))
+
+
+@llmplug_op("decode_attention")
+def _decode_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    num_splits: int,
+) -> torch.Tensor:
+    if not use_triton(q):
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
+    assert q.stride(-1) == 1, "q needs unit stride on the last dim"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    assert k_cache.shape == v_cache.shape, "k_cache and v_cache must have one shape (the kernel shares their strides)"
+    bsz, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = q.new_empty((bsz, num_heads, head_dim))
+    if bsz == 0:
+        return out
+
+    block_d = max(16, next_pow2(head_dim))
+    block_n, num_warps, num_stages = _tile_config(block_d, q.element_size())
+    max_context = block_tables.shape[1] * page
+    if sliding_window > 0:
+        max_context = min(max_context, sliding_window + block_n)
+    splits = num_splits
+    if splits <= 0:
+        splits = choose_num_splits(bsz, num_kv_heads, max_context, block_n, _num_sms(q.device))
+    if splits > 1:
+        part = torch.empty((bsz, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((bsz, num_heads, splits), dtype=torch.float32, device=q.device)
+    else:  # the kernel writes ``out`` directly; placeholders, never touched
+        part = lse = torch.empty(1, dtype=torch.float32, device=q.device)
+
+    if softcap > 0:
+        score_scale, cap_scale = scale / softcap, softcap * LOG2E
+    else:
+        score_scale, cap_scale = scale * LOG2E, 1.0
+    maybe_wrap(_decode_attn_kernel)[(bsz, num_kv_heads, splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part,
+        lse,
+        score_scale,
+        cap_scale,
+        sliding_window if sliding_window > 0 else _NO_WINDOW,
+        num_heads,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        PAGE=page,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_H=max(16, next_pow2(group)),
+        BLOCK_N=block_n,
+        NUM_SPLITS=splits,
+        SOFTCAP=softcap > 0,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # Interpreter workarounds: its tl.dot mishandles bf16 and it truncates fp32 -> bf16 casts (see ``_rtne``).
+        INTERPRETED=INTERPRET,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if splits > 1:
+        maybe_wrap(_decode_attn_combine_kernel)[(bsz, num_heads)](
+            part,
+            lse,
+            out,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=splits,
+            HEAD_DIM=head_dim,
+            BLOCK_S=next_pow2(splits),
+            BLOCK_D=block_d,
+            INTERPRETED=INTERPRET,
+            num_warps=1 if block_d <= 64 else 2,
+        )
+    return out
+
+
+@_decode_attention_op.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits):
+    return q.new_empty(q.shape)
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = -1,
+    softcap: float | None = 0.0,
+    *,
+    _num_splits: int = 0,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over its paged KV cache.
+
+    Args:
+        q: ``(B, H, D)`` fp16/bf16/fp32 queries; may be a strided view (last dim unit stride). ``D <= 256``.
+        k_cache: ``(num_blocks, P, Hkv, D)`` contiguous, dtype ``q.dtype``; ``H`` must be a multiple of ``Hkv``
+            (query head ``h`` uses kv head ``h // (H // Hkv)``).
+        v_cache: ``(num_blocks, P, Hkv, D)`` contiguous, dtype ``q.dtype``.
+        block_tables: ``(B, M)`` int32; sequence ``b``'s token ``i`` is at ``block_tables[b, i // P]``, offset
+            ``i % P``. Entries past a sequence's last page are never read.
+        seq_lens: ``(B,)`` int32 tokens of each sequence in the cache, including the current one (already stored).
+            0 marks a padding row: its output is zeros.
+        scale: softmax scale (usually ``D ** -0.5``).
+        sliding_window: the query at position ``p = seq_lens[b] - 1`` sees keys at positions ``> p - sliding_window``;
+            ``-1`` (or ``None``, or any value ``<= 0``) means no window.
+        softcap: if ``> 0``, scores become ``softcap * tanh(scores * scale / softcap)`` (Gemma 2/3); 0 or ``None``
+            means none.
+        _num_splits: private override of the flash-decoding split count (tests); 0 picks it from shapes.
+
+    Returns:
+        ``(B, H, D)`` contiguous in ``q.dtype``.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be (B, H, D), got shape {tuple(q.shape)}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4:
+            raise ValueError(f"{name} must be (num_blocks, P, Hkv, D), got shape {tuple(c.shape)}")
+        if not c.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    bsz, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head dim mismatch: q has D={head_dim}, k_cache has D={k_cache.shape[3]}")
+    if head_dim > 256:
+        raise ValueError(f"head dim D={head_dim} > 256 is not supported")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"H={num_heads} query heads is not a multiple of Hkv={num_kv_heads} kv heads")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q dtype {q.dtype} is not supported; use one of {_DTYPES}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != bsz:
+        raise ValueError(f"block_tables must be ({bsz}, M), got shape {tuple(block_tables.shape)}")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != bsz:
+        raise ValueError(f"seq_lens must be ({bsz},), got shape {tuple(seq_lens.shape)}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if _num_splits < 0 or _num_splits > _MAX_SPLITS:
+        raise ValueError(f"_num_splits={_num_splits} must be in [0, {_MAX_SPLITS}]")
+    sliding_window = -1 if sliding_window is None or sliding_window <= 0 else int(sliding_window)
+    softcap = 0.0 if softcap is None or softcap <= 0 else float(softcap)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    return torch.ops.llmplug.decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        float(scale),
+        sliding_window,
+        softcap,
+        int(_num_splits),
+    )

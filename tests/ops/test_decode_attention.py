@@ -1,0 +1,154 @@
+import math
+
+import pytest
+import torch
+
+from llmplug.ops._triton import cpu_kernels
+from llmplug.ops.decode_attention import choose_num_splits, decode_attention, decode_attention_ref
+from tests.tolerances import assert_close_matmul_like
+
+
+def _paged(lens, num_heads, num_kv_heads, head_dim, page, dtype, window=-1, poison=True):
+    """Random decode inputs over a paged cache with shuffled, non-contiguous block tables.
+
+    With ``poison``: cache memory no sequence may read (blocks nobody owns, page tails past ``seq_lens``, tokens before
+    a sliding window) is NaN, and block-table entries past a sequence's pages are out-of-range ids, so reading any of
+    them shows up as NaN or a crash.
+    """
+    bsz = len(lens)
+    pages = [math.ceil(n / page) for n in lens]
+    width = max(pages + [1]) + 1
+    num_blocks = sum(pages) + 3
+    fill = float("nan") if poison else 0.0
+    k_cache = torch.full((num_blocks, page, num_kv_heads, head_dim), fill, dtype=dtype)
+    v_cache = torch.full_like(k_cache, fill)
+    block_tables = torch.full((bsz, width), num_blocks + 1000 if poison else 0, dtype=torch.int32)
+    perm, used = torch.randperm(num_blocks), 0
+    for b, n in enumerate(lens):
+        blocks = perm[used : used + pages[b]]
+        used += pages[b]
+        block_tables[b, : pages[b]] = blocks.to(torch.int32)
+        first = max(0, n - window) if (window > 0 and poison) else 0
+        for i in range(first, n):
+            blk, off = blocks[i // page], i % page
+            k_cache[blk, off] = torch.randn(num_kv_heads, head_dim).to(dtype)
+            v_cache[blk, off] = torch.randn(num_kv_heads, head_dim).to(dtype)
+    q = torch.randn(bsz, num_heads, head_dim).to(dtype)
+    return q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens, window=-1, softcap=0.0, splits=0):
+    scale = q.shape[-1] ** -0.5
+    out = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, _num_splits=splits)
+    ref64 = decode_attention_ref(
+        q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens, scale, window, softcap
+    )
+    same = decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert_close_matmul_like(out, ref64, same)
+    assert (out[seq_lens == 0] == 0).all(), "padding rows must be zeros"
+    return out
+
+
+# Each feature in a few combinations rather than the cross product (the interpreter is slow).
+CASES = {
+    # name: (seq_lens, H, Hkv, D, P, dtype, sliding_window, softcap, num_splits (0: heuristic))
+    "mha-fp32-1split": ([1, 17, 100], 4, 4, 64, 16, torch.float32, -1, 0.0, 1),
+    "gqa4-bf16-splits": ([1, 17, 100], 8, 2, 128, 16, torch.bfloat16, -1, 0.0, 4),
+    "mqa8-d80-p8-padding": ([33, 0, 100, 5, 64, 0, 17], 8, 1, 80, 8, torch.float16, -1, 0.0, 3),
+    "d256-p32-window-b1": ([150], 8, 1, 256, 32, torch.bfloat16, 40, 0.0, 2),
+    "window-softcap-fp32": ([1, 17, 100], 4, 1, 64, 16, torch.float32, 24, 5.0, 3),
+    "softcap50-fp16-auto": ([60, 130, 9], 8, 2, 128, 16, torch.float16, -1, 50.0, 0),
+    "window-bf16-1split": ([100, 3, 70], 4, 4, 80, 16, torch.bfloat16, 33, 0.0, 1),
+    "gqa8-softcap-fp32-d256": ([7, 40], 8, 1, 256, 16, torch.float32, -1, 30.0, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_matches_reference(case):
+    lens, num_heads, num_kv_heads, head_dim, page, dtype, window, softcap, splits = CASES[case]
+    inputs = _paged(lens, num_heads, num_kv_heads, head_dim, page, dtype, window)
+    _check(*inputs, window=window, softcap=softcap, splits=splits)
+
+
+def test_strided_q_and_changing_seq_lens():
+    """q as a view into a fused qkv output; then new ``seq_lens`` in the same tensor (a CUDA-graph replay)."""
+    lens, num_heads, num_kv_heads, head_dim = [40, 90, 0], 4, 2, 64
+    _, k_cache, v_cache, block_tables, seq_lens = _paged(lens, num_heads, num_kv_heads, head_dim, 16, torch.float16)
+    qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim).half()
+    q = qkv[:, : num_heads * head_dim].view(len(lens), num_heads, head_dim)
+    assert not q.is_contiguous()
+    _check(q, k_cache, v_cache, block_tables, seq_lens, splits=2)
+    seq_lens.copy_(torch.tensor([17, 0, 0], dtype=torch.int32))  # no longer than before: only stored tokens
+    _check(q, k_cache, v_cache, block_tables, seq_lens, splits=2)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_all_padding_rows_are_zero(splits):
+    q, k_cache, v_cache, block_tables, seq_lens = _paged([0, 0], 4, 2, 64, 16, torch.bfloat16)
+    out = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, _num_splits=splits)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_none_means_no_window_and_no_softcap():
+    inputs = _paged([5, 30], 4, 2, 64, 16, torch.float32, poison=False)
+    torch.testing.assert_close(decode_attention(*inputs, 0.125, None, None), decode_attention(*inputs, 0.125, -1, 0.0))
+
+
+def test_reference_path_of_op():
+    inputs = _paged([5, 30], 4, 2, 64, 16, torch.float32, poison=False)
+    with cpu_kernels(False):
+        out = decode_attention(*inputs, 0.125, 16, 10.0)
+    torch.testing.assert_close(out, decode_attention_ref(*inputs, 0.125, 16, 10.0))
+
+
+def test_reference_matches_naive_loop():
+    """The oracle itself, against a per-sequence, per-head loop in fp64."""
+    lens, num_heads, num_kv_heads, head_dim, page, window, cap = [1, 37, 20], 6, 2, 32, 8, 25, 4.0
+    q, k_cache, v_cache, block_tables, seq_lens = _paged(lens, num_heads, num_kv_heads, head_dim, page, torch.float64)
+    ref = decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, 0.3, window, cap)
+    for b, n in enumerate(lens):
+        keys = range(max(0, n - window), n)
+        slots = [(block_tables[b, i // page].item(), i % page) for i in keys]
+        for h in range(num_heads):
+            kvh = h // (num_heads // num_kv_heads)
+            k = torch.stack([k_cache[blk, off, kvh] for blk, off in slots])
+            v = torch.stack([v_cache[blk, off, kvh] for blk, off in slots])
+            scores = cap * torch.tanh(k @ q[b, h] * 0.3 / cap)
+            torch.testing.assert_close(ref[b, h], torch.softmax(scores, 0) @ v)
+
+
+def test_num_splits_heuristic():
+    # H200-like: 132 SMs, 8 kv heads, 8k context in 64-token tiles.
+    assert choose_num_splits(1, 8, 8192, 64, 132) >= 16  # batch 1 spreads the context over the SMs
+    assert choose_num_splits(64, 8, 8192, 64, 132) == 1  # batch 64 fills the GPU without splitting
+    assert choose_num_splits(1, 8, 100, 64, 132) == 1  # too short to split
+    assert 1 <= choose_num_splits(1, 1, 10**7, 16, 10**4) <= 64
+
+
+def test_bad_inputs():
+    q, k_cache, v_cache, block_tables, seq_lens = _paged([5, 9], 4, 2, 64, 16, torch.float32, poison=False)
+    with pytest.raises(ValueError, match="H=3"):
+        decode_attention(q[:, :3], k_cache, v_cache, block_tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention(q.half(), k_cache, v_cache, block_tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="q must be"):
+        decode_attention(q[0], k_cache, v_cache, block_tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="head dim"):
+        decode_attention(q[..., :32], k_cache, v_cache, block_tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        decode_attention(q, k_cache, v_cache, block_tables, seq_lens.long(), 0.125)
+    with pytest.raises(ValueError, match="block_tables must be"):
+        decode_attention(q, k_cache, v_cache, block_tables[:1], seq_lens, 0.125)
+
+
+def test_opcheck():
+    q, k_cache, v_cache, block_tables, seq_lens = _paged([3, 20], 4, 2, 64, 16, torch.float32, poison=False)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, 0.125, -1, 0.0, 2)
+    torch.library.opcheck(torch.ops.llmplug.decode_attention.default, args)
+
+
+def test_compiles():
+    inputs = _paged([3, 20], 4, 2, 64, 16, torch.float32, poison=False)
+    fn = torch.compile(lambda *a: decode_attention(*a, 0.125) * 2, fullgraph=True)
+    torch.testing.assert_close(fn(*inputs), decode_attention_ref(*inputs, 0.125) * 2)

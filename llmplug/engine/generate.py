@@ -7,10 +7,11 @@ Whatever the loop does not support goes to stock HF generate with a one-time war
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
-from transformers import GenerationMixin
+from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
 from transformers.generation import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -23,7 +24,26 @@ _KNOWN_KWARGS = {"input_ids", "attention_mask", "use_cache", "tokenizer", "logit
 _warned: set[str] = set()
 
 
-def _fallback_reason(model, generation_config, kwargs: dict) -> str | None:
+def _merged_config(model, generation_config, kwargs: dict):
+    """The GenerationConfig HF will use: ``generation_config`` or the model's, updated by matching ``kwargs``."""
+    overrides = {k: v for k, v in kwargs.items() if hasattr(model.generation_config, k)}
+    return model._prepare_generation_config(generation_config, **overrides)[0]
+
+
+def _move_stop_strings(config, kwargs: dict) -> None:
+    """Turn ``stop_strings`` into a ``StopStringCriteria`` in ``kwargs['stopping_criteria']``.
+
+    HF does not hand the tokenizer to a custom decoding loop, so its own stop-string criterion cannot be built.
+    """
+    tokenizer = kwargs.pop("tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("stop_strings needs the model's tokenizer: pass tokenizer=... to generate")
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings))
+    kwargs.update(stopping_criteria=criteria, stop_strings=None)
+
+
+def _fallback_reason(model, config, kwargs: dict) -> str | None:
     """Why this call must run on stock HF generate, or None."""
     for name in ("assistant_model", "past_key_values", "inputs_embeds", "custom_generate", "synced_gpus",
                  "negative_prompt_ids", "position_ids", "cache_position"):
@@ -33,8 +53,6 @@ def _fallback_reason(model, generation_config, kwargs: dict) -> str | None:
                    and k not in ("inputs", "generation_config", "logits_processor", "stopping_criteria", "streamer"))
     if extra:
         return ", ".join(extra)
-    config, _ = model._prepare_generation_config(generation_config, **{k: v for k, v in kwargs.items()
-                                                                         if hasattr(model.generation_config, k)})
     mode = config.get_generation_mode(None)
     if mode not in _SUPPORTED_MODES:
         return f"{mode.value} (num_beams={config.num_beams})" if config.num_beams > 1 else mode.value
@@ -52,21 +70,27 @@ def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
     """HF ``generate`` with llmplug's decoding loop; same signature and return types."""
     if inputs is not None:
         kwargs["inputs"] = inputs
-    reason = _fallback_reason(model, generation_config, kwargs)
+    config = _merged_config(model, generation_config, kwargs)
+    reason = _fallback_reason(model, config, kwargs)
     if reason is not None:
         if reason not in _warned:
             _warned.add(reason)
             warnings.warn(f"llmplug does not support {reason} yet; running stock transformers generate",
                           stacklevel=2)
         return type(model).generate(model, generation_config=generation_config, **kwargs)
-    return GenerationMixin.generate(model, generation_config=generation_config, custom_generate=_decode_loop,
-                                    **kwargs)
+    if config.stop_strings is not None:
+        _move_stop_strings(config, kwargs)
+    # HF hands a custom loop only the arguments its signature adds to ``_sample``'s, so the streamer is bound here
+    # (HF itself still puts the prompt into it) and ``tokenizer`` (for stop strings) is a parameter of the loop.
+    loop = functools.partial(_decode_loop, stream_to=kwargs.get("streamer"))
+    return GenerationMixin.generate(model, generation_config=generation_config, custom_generate=loop, **kwargs)
 
 
 @torch.inference_mode()
 def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
-                 synced_gpus: bool = False, streamer=None, **model_kwargs):
+                 stream_to=None, tokenizer=None, **model_kwargs):
     """Mirror of HF's ``_sample`` loop over llmplug's paged runner. ``input_ids: (B, L)`` prepared by HF."""
+    streamer = stream_to
     runner: ModelRunner = model._llmplug_runner
     pad = generation_config._pad_token_tensor
     want_dict = generation_config.return_dict_in_generate

@@ -31,7 +31,8 @@ except ImportError:  # pragma: no cover - platforms without triton
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _cpu_kernels = [INTERPRET]
 
-__all__ = ["HAS_TRITON", "INTERPRET", "cpu_kernels", "llmplug_op", "maybe_wrap", "next_pow2", "tl", "triton", "use_triton"]
+__all__ = ["HAS_TRITON", "INTERPRET", "cpu_kernels", "llmplug_op", "maybe_wrap", "next_pow2", "tl", "triton",
+           "use_triton"]
 
 
 def llmplug_op(name: str, mutates_args: tuple[str, ...] | str = ()):

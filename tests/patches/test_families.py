@@ -5,6 +5,7 @@ import torch
 
 import llmplug
 from llmplug.ops._triton import cpu_kernels
+from llmplug.patches.decoder import FusedDecoder
 from tests.tiny_models import FUSED, GENERIC, make_model, pad, prompts
 
 FAMILIES = sorted(FUSED) + sorted(GENERIC)
@@ -20,6 +21,7 @@ def test_greedy_matches_stock_hf(family):
     ids, mask = pad(prompts(4, lengths=(5, 13, 2, 8)))
     expected = _generate(model, ids, mask)
     llmplug.optimize(model)
+    assert isinstance(model._llmplug_runner.forward_fn, FusedDecoder) == (family in FUSED)
     with cpu_kernels(False):
         got = _generate(model, ids, mask)
     assert torch.equal(got, expected)

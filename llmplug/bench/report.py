@@ -1,0 +1,73 @@
+"""Results as JSON (device, versions, commit, command) and a printed table beside the ceilings."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+
+def environment() -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__,
+        "commit": commit, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def save(results: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, default=str))
+    return path
+
+
+def e2e_table(r: dict, ceil: dict) -> list[str]:
+    """Lines of the end-to-end table for one model's results ``r``."""
+    new = r["new_tokens"]
+    bw = ceil.get("read_bytes_per_s")
+    roof = bw / r["weight_bytes"] if bw else None
+    lines = [f"## {r['model']} ({r['dtype']}, weights {r['weight_bytes'] / 1e9:.2f} GB)"]
+    if roof:
+        lines.append(f"batch-1 roofline: {roof:.1f} tok/s (weights / measured read bandwidth {bw / 1e12:.2f} TB/s)")
+    lines.append(f"{'what':38s} {'stock eager':>12s} {'stock static':>13s} {'llmplug':>10s} {'x best stock':>12s}"
+                 f" {'% roofline':>10s}")
+    b1 = {k: new / r[k]["median"] for k in ("stock_eager_b1", "stock_static_compile_b1", "llmplug_b1") if k in r}
+    best = max(v for k, v in b1.items() if k != "llmplug_b1")
+    frac = f"{100 * b1['llmplug_b1'] / roof:9.1f}%" if roof else f"{'-':>10s}"
+    lines.append(f"{f'batch-1 decode tok/s (128 in, {new} out)':38s} {b1['stock_eager_b1']:12.1f} "
+                 f"{b1.get('stock_static_compile_b1', float('nan')):13.1f} {b1['llmplug_b1']:10.1f} "
+                 f"{b1['llmplug_b1'] / best:11.2f}x {frac}")
+    for n in r.get("llmplug_ttft", {}):
+        s, o = r["stock_ttft"][n]["median"], r["llmplug_ttft"][n]["median"]
+        lines.append(f"{f'TTFT ms, {n}-token prompt':38s} {1e3 * s:12.1f} {'':13s} {1e3 * o:10.1f} "
+                     f"{s / o:11.2f}x")
+    for b, t in r["llmplug_batches"].items():
+        ours = r["batch_output_tokens"][b] / t["median"]
+        st = r.get("stock_batches", {}).get(b)
+        theirs = r["batch_output_tokens"][b] / st["median"] if st else float("nan")
+        lines.append(f"{f'static batch {b} output tok/s':38s} {theirs:12.1f} {'':13s} {ours:10.1f} "
+                     f"{ours / theirs:11.2f}x")
+    lines.append(f"warm-up s: stock static+compile {r.get('stock_static_compile_warmup_s', float('nan')):.1f}, "
+                 f"llmplug {r['llmplug_warmup_s']:.1f}; greedy agreement (first 32 tokens, 16 prompts): "
+                 f"{100 * r['greedy_agreement_32']:.0f}%")
+    if "llmplug_peak_memory_bytes" in r:
+        lines.append(f"llmplug peak memory {r['llmplug_peak_memory_bytes'] / 2**30:.1f} GiB (KV pool included)")
+    return lines

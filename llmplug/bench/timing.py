@@ -1,0 +1,44 @@
+"""Timing helpers and the measured hardware ceilings (read bandwidth, bf16 matmul rate)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_call(fn: Callable[[], object], device, repeats: int = 3, warmup: int = 1) -> dict:
+    """Wall time of ``fn`` (synchronized): median, p50/p95/p99 and all samples, in seconds."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        samples.append(time.perf_counter() - t0)
+    q = sorted(samples)
+    pick = lambda f: q[min(len(q) - 1, int(round(f * (len(q) - 1))))]  # noqa: E731
+    return {"median": statistics.median(q), "p50": pick(0.5), "p95": pick(0.95), "p99": pick(0.99), "samples": q}
+
+
+def ceilings(device: str) -> dict:
+    """Measured read bandwidth (bytes/s) and bf16 matmul rate (FLOP/s) on ``device`` (CUDA only)."""
+    if torch.device(device).type != "cuda":
+        return {}
+    import triton.testing
+
+    x = torch.randn(2 * 1024**3 // 2, dtype=torch.bfloat16, device=device)  # 2 GiB, far past L2
+    read = triton.testing.do_bench(lambda: x.sum(dtype=torch.float32), warmup=50, rep=300, return_mode="median")
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    mm = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return {"read_bytes_per_s": 2 * 1024**3 / (read * 1e-3), "bf16_flops_per_s": 2 * 8192**3 / (mm * 1e-3)}

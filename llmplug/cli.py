@@ -1,0 +1,55 @@
+"""``llmplug`` command line: ``llmplug bench`` compares stock HF and llmplug side by side."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _bench(args) -> int:
+    from .bench import e2e, kernels, report, timing
+
+    cuda = args.device.startswith("cuda")
+    model = args.model or ("llama-1b" if cuda else "tiny-llama")
+    dtype = _DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
+    results = {"env": report.environment(), "ceilings": timing.ceilings(args.device)}
+    results["e2e"] = e2e.run(model, args.device, dtype, new_tokens=args.new_tokens, static=cuda and not args.no_static,
+                             ttft=not args.quick, batches=(8,) if args.quick else e2e.STATIC_BATCHES,
+                             repeats=args.repeats)
+    if args.kernels and cuda:
+        results["prefill_attention"] = kernels.prefill()
+        results["decode_attention"] = kernels.decode(read_bw=results["ceilings"]["read_bytes_per_s"])
+    print("\n".join(report.e2e_table(results["e2e"], results["ceilings"])))
+    if args.out:
+        print(f"saved {report.save(results, args.out)}")
+    agreement = results["e2e"]["greedy_agreement_32"]
+    if dtype == torch.float32:
+        print(f"greedy outputs identical to stock HF: {'yes' if agreement == 1.0 else 'NO'}")
+        return 0 if agreement == 1.0 else 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llmplug", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="stock HF vs llmplug on a random-weight model shape (no download)")
+    b.add_argument("--model", help="shape name (tiny-llama, llama-1b, llama-8b, qwen3-8b) or a local model directory;"
+                                   " default llama-1b on CUDA, tiny-llama on CPU")
+    b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    b.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on CUDA, fp32 on CPU")
+    b.add_argument("--new-tokens", type=int, default=256)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--quick", action="store_true", help="skip TTFT and large static batches")
+    b.add_argument("--no-static", action="store_true", help="skip the stock static-cache + torch.compile baseline")
+    b.add_argument("--kernels", action="store_true", help="also run the attention kernel microbenchmarks (CUDA)")
+    b.add_argument("--out", help="write the full results as JSON here")
+    args = parser.parse_args(argv)
+    return _bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,505 @@
+"""Prefill attention over a paged KV cache: packed variable-length queries, cached context plus causal new tokens.
+
+``B`` sequences are packed without padding. Sequence ``b`` contributes the query rows
+``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of ``q``; the matching rows of ``k``/``v`` are its new keys/values. Before
+this step, ``context_lens[b]`` tokens of the sequence are already in the paged cache (0 for a fresh prompt, > 0 for
+chunked prefill or prefix reuse), so new token ``j`` sits at absolute position ``context_lens[b] + j``. Each query
+attends to every cached token of its sequence (read through ``block_tables``) and causally to the new tokens (read
+from the contiguous ``k``/``v``; the caller writes them into the cache separately, and this op never reads them
+from there). Optional sliding window (HF convention: a query sees ``sliding_window`` keys including itself) and
+logit soft-capping (Gemma 2/3).
+
+Paged layout: ``k_cache, v_cache: (num_blocks, P, Hkv, D)``; the ``i``-th cached token of sequence ``b`` lives in block
+``block_tables[b, i // P]`` at offset ``i % P``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._triton import llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+
+MAX_HEAD_DIM = 256
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+
+
+def prefill_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Reference (and CPU path): per sequence, gather the cached k/v from the pages, append the new k/v, mask, softmax.
+
+    Math in fp32 (fp64 for fp64 inputs); the result is rounded to ``q.dtype`` once. Shapes as in
+    :func:`prefill_attention`; ``max_seqlen_q`` is unused here.
+    """
+    del max_seqlen_q
+    t, h, d = q.shape
+    hkv, page = k.shape[1], k_cache.shape[1]
+    group = h // hkv
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    kc_flat, vc_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # (num_blocks * P, Hkv, D)
+    cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for b in range(len(ctx_lens)):
+        s, e, ctx = cu[b], cu[b + 1], ctx_lens[b]
+        n_new = e - s
+        if n_new == 0:
+            continue
+        idx = torch.arange(ctx, device=q.device)
+        slots = block_tables[b, idx // page].long() * page + idx % page
+        kk = torch.cat([kc_flat[slots], k[s:e]]).to(cdt)  # (ctx + n_new, Hkv, D)
+        vv = torch.cat([vc_flat[slots], v[s:e]]).to(cdt)
+        kk, vv = kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)  # (L, H, D)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].to(cdt), kk) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = ctx + torch.arange(n_new, device=q.device)[:, None]
+        k_pos = torch.arange(ctx + n_new, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window > 0:
+            allowed &= k_pos > q_pos - sliding_window
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", probs, vv).to(q.dtype)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_to_bf16(x):
+        """fp32 -> nearest bf16 value (ties to even), kept in fp32. For the interpreter, whose bf16 casts truncate."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _tile_range(need_lo, need_hi, safe_lo, safe_hi, BLOCK_N: tl.constexpr):
+        """Split the key tiles covering ``[need_lo, need_hi)`` into masked / unmasked / masked runs.
+
+        Positions are relative to the phase's first key (so all >= 0). A tile is unmasked when all its keys lie in
+        ``[safe_lo, safe_hi)``, the keys every query of the tile may see. Returns tile indices
+        ``lo <= mid_lo <= mid_hi <= hi``: masked ``[lo, mid_lo)``, unmasked ``[mid_lo, mid_hi)``, masked
+        ``[mid_hi, hi)``.
+        """
+        lo = need_lo // BLOCK_N
+        hi = (need_hi + BLOCK_N - 1) // BLOCK_N
+        mid_lo = (tl.maximum(safe_lo, 0) + BLOCK_N - 1) // BLOCK_N
+        mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+        mid_hi = tl.maximum(safe_hi, 0) // BLOCK_N
+        mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+        return lo, mid_lo, mid_hi, hi
+
+    @triton.jit
+    def _attend_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        q_pos,
+        k_base,
+        v_base,
+        bt_row_ptr,
+        stride_k_blk,
+        stride_k_row,
+        stride_v_blk,
+        stride_v_row,
+        tile_lo,
+        tile_hi,
+        key_start,
+        key_end,
+        scale,
+        softcap,
+        window,
+        offs_n,
+        offs_d,
+        PAGED: tl.constexpr,
+        MASKED: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PAGE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """Online-softmax update of ``(acc, m_i, l_i)`` with key tiles ``[tile_lo, tile_hi)`` of one phase.
+
+        Scores live in the log2 domain (``exp2``). ``PAGED``: keys come from the paged cache (phase-relative position
+        = cache index); otherwise from the contiguous new k/v rows at ``k_base``. ``MASKED``: apply the bounds, causal
+        and window masks (only the tiles at the edges of the visible range need it).
+        """
+        for tile in range(tile_lo, tile_hi):
+            n = tile * BLOCK_N + offs_n  # phase-relative key index
+            if PAGED:
+                if MASKED:
+                    blk = tl.load(bt_row_ptr + n // PAGE, mask=n < key_end, other=0)
+                else:
+                    blk = tl.load(bt_row_ptr + n // PAGE)
+                blk = blk.to(tl.int64)
+                k_rows = blk * stride_k_blk + (n % PAGE) * stride_k_row
+                v_rows = blk * stride_v_blk + (n % PAGE) * stride_v_row
+            else:
+                k_rows = n.to(tl.int64) * stride_k_row
+                v_rows = n.to(tl.int64) * stride_v_row
+            k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]
+            v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
+            k_pos = key_start + n  # absolute position
+            if MASKED:
+                ld_mask = (k_pos < key_end)[:, None]
+                if BLOCK_D != HEAD_DIM:
+                    ld_mask = ld_mask & (offs_d < HEAD_DIM)[None, :]
+                kt = tl.load(k_ptrs, mask=ld_mask, other=0.0)
+                vt = tl.load(v_ptrs, mask=ld_mask, other=0.0)
+            elif BLOCK_D != HEAD_DIM:
+                kt = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+                vt = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+            else:
+                kt = tl.load(k_ptrs)
+                vt = tl.load(v_ptrs)
+            if UPCAST:
+                kt = kt.to(tl.float32)
+                vt = vt.to(tl.float32)
+
+            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) fp32
+            if HAS_SOFTCAP:
+                # softcap * tanh(scale * s / softcap), then to the log2 domain; tanh(x) = sign(x) (1 - e) / (1 + e)
+                # with e = exp(-2|x|) in (0, 1] (no overflow).
+                x = s * (scale / softcap)
+                e = tl.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))
+                th = (1.0 - e) / (1.0 + e)
+                s = tl.where(x < 0, -th, th) * (softcap * 1.4426950408889634)
+            else:
+                s = s * (scale * 1.4426950408889634)
+            if MASKED:
+                allowed = (k_pos[None, :] < key_end) & (k_pos[None, :] <= q_pos[:, None])
+                if HAS_WINDOW:
+                    allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+                s = tl.where(allowed, s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            if UPCAST:
+                p = _round_to_bf16(p)
+            acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=DOT_PREC)  # p rounded to v's dtype
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _prefill_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        kc_ptr,
+        vc_ptr,
+        bt_ptr,
+        cu_q_ptr,
+        ctx_ptr,
+        out_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_kcb,
+        stride_kcp,
+        stride_kch,
+        stride_vcb,
+        stride_vcp,
+        stride_vch,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        scale,
+        softcap,
+        window,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PAGE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        # grid = (H, num_m_tiles, B). Heads vary fastest so the GROUP query heads sharing a kv head run side by side
+        # (L2 reuse of K/V); query tiles go last-first so the longest (most keys) causal tiles start earliest.
+        h = tl.program_id(0)
+        m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
+        b = tl.program_id(2)
+        q_start = tl.load(cu_q_ptr + b)
+        q_len = tl.load(cu_q_ptr + b + 1) - q_start
+        start_m = m_tile * BLOCK_M
+        if start_m >= q_len:
+            return
+        ctx = tl.load(ctx_ptr + b)
+        hkv = h // GROUP
+
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        rows = (q_start + offs_m).to(tl.int64)
+        q_mask = (offs_m < q_len)[:, None]
+        if BLOCK_D != HEAD_DIM:
+            q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        q_pos = ctx + offs_m  # absolute positions of this tile's queries
+        last_m = tl.minimum(start_m + BLOCK_M, q_len) - 1  # last real query of the tile (chunk-relative)
+
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: fully masked tiles give exp2(-inf) = 0, not NaN
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+
+        # Phase 1: cached context, keys at absolute positions [0, ctx) read from the pages. All precede every query,
+        # so only the sliding window and the ragged last tile need masks.
+        need_lo = 0
+        safe_lo = 0
+        if HAS_WINDOW:
+            need_lo = tl.maximum(ctx + start_m - window + 1, 0)
+            safe_lo = ctx + last_m - window + 1
+        lo, mid_lo, mid_hi, hi = _tile_range(need_lo, ctx, safe_lo, ctx, BLOCK_N)
+        kc_base = kc_ptr + hkv * stride_kch
+        vc_base = vc_ptr + hkv * stride_vch
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, kc_base, vc_base, bt_row, stride_kcb, stride_kcp, stride_vcb, stride_vcp,
+            lo, mid_lo, 0, ctx, scale, softcap, window, offs_n, offs_d,
+            True, True, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, kc_base, vc_base, bt_row, stride_kcb, stride_kcp, stride_vcb, stride_vcp,
+            mid_lo, mid_hi, 0, ctx, scale, softcap, window, offs_n, offs_d,
+            True, False, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, kc_base, vc_base, bt_row, stride_kcb, stride_kcp, stride_vcb, stride_vcp,
+            mid_hi, hi, 0, ctx, scale, softcap, window, offs_n, offs_d,
+            True, True, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST,
+        )  # fmt: skip
+
+        # Phase 2: this step's new tokens, chunk-relative keys [0, last_m] from the contiguous k/v. Tiles entirely
+        # below the tile's first query (and inside every query's window) run unmasked; the diagonal ones are masked.
+        need_lo = 0
+        safe_lo = 0
+        if HAS_WINDOW:
+            need_lo = tl.maximum(start_m - window + 1, 0)
+            safe_lo = last_m - window + 1
+        lo, mid_lo, mid_hi, hi = _tile_range(need_lo, last_m + 1, safe_lo, start_m + 1, BLOCK_N)
+        k_base = k_ptr + q_start.to(tl.int64) * stride_kt + hkv * stride_kh
+        v_base = v_ptr + q_start.to(tl.int64) * stride_vt + hkv * stride_vh
+        key_end = ctx + q_len
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, 0, stride_kt, 0, stride_vt,
+            lo, mid_lo, ctx, key_end, scale, softcap, window, offs_n, offs_d,
+            False, True, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, 0, stride_kt, 0, stride_vt,
+            mid_lo, mid_hi, ctx, key_end, scale, softcap, window, offs_n, offs_d,
+            False, False, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, 0, stride_kt, 0, stride_vt,
+            mid_hi, hi, ctx, key_end, scale, softcap, window, offs_n, offs_d,
+            False, True, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST,
+        )  # fmt: skip
+
+        # Every real query sees at least itself (l_i > 0); padding rows may see nothing, and are not stored.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if UPCAST:
+            out = _round_to_bf16(out)
+        o_mask = (offs_m < q_len)[:, None]
+        if BLOCK_D != HEAD_DIM:
+            o_mask = o_mask & (offs_d < HEAD_DIM)[None, :]
+        o_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def _launch_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head dim and dtype.
+
+    BLOCK_M is a multiple of BLOCK_N so a query tile has exactly BLOCK_M / BLOCK_N masked diagonal tiles.
+    """
+    # NOTE: untuned first guesses, to be tuned on the H100/H200. Compile-only check (sm_90a, triton 3.6 and 3.9,
+    # ptxas -v): bf16 D=128 -> 128 KiB shared, ~246 registers, no spills; D=64 235 regs; D=256 (64/32) 96 KiB,
+    # 204-255 regs, no spills; D=80/96 pad to 128 (tiny spill with window on 3.6). fp32 spills whatever the tile.
+    if not on_gpu:
+        # Interpreter: small tiles so short test sequences still span several query/key tiles (and every loop
+        # kind runs); BLOCK_N = 16 against pages of 8/16/32 covers tiles spanning several pages and part of one.
+        return 32, 16, 4, 1
+    if dtype == torch.float32:  # exact fp32 dots (no tensor cores): a correctness path, not a fast one
+        return (32, 32, 4, 2) if head_dim > 128 else (32, 16, 4, 2)
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 8, 2
+
+
+@llmplug_op("prefill_attention")
+def _prefill_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+) -> torch.Tensor:
+    if not use_triton(q):
+        return prefill_attention_ref(
+            q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale,
+            sliding_window, softcap,
+        )  # fmt: skip
+    t, h, d = q.shape
+    hkv, page = k.shape[1], k_cache.shape[1]
+    batch = context_lens.shape[0]
+    out = q.new_empty((t, h, d))
+    if t == 0 or batch == 0 or max_seqlen_q <= 0:
+        return out
+    block_m, block_n, num_warps, num_stages = _launch_config(d, q.dtype, q.device.type == "cuda")
+    grid = (h, triton.cdiv(max_seqlen_q, block_m), batch)
+    maybe_wrap(_prefill_attention_kernel)[grid](
+        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        float(scale), float(softcap) if softcap > 0 else 1.0, int(sliding_window) if sliding_window > 0 else 1,
+        GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
+        HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=softcap > 0,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        # The interpreter mishandles bf16 (numpy has none): its tl.dot multiplies the raw bits and its casts truncate.
+        # So there the dots get fp32 operands, with p and the output rounded to bf16 values as the GPU would.
+        UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+@_prefill_attention_op.register_fake
+def _(
+    q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, sliding_window, softcap
+):
+    return q.new_empty(q.shape)
+
+
+def _check_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sliding_window, softcap):
+    for name, x, ndim in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
+        if x.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype={x.dtype} does not match q.dtype={q.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+        if x.shape[-1] > 1 and x.stride(-1) != 1:
+            raise ValueError(f"{name} needs a unit stride on its last dim, got strides {x.stride()}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported; use one of {DTYPES}")
+    t, h, d = q.shape
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d} is not supported; use 1..{MAX_HEAD_DIM}")
+    hkv = k.shape[1]
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(f"num query heads {h} is not divisible by num kv heads {hkv}")
+    for name, x in (("k", k), ("v", v)):
+        if tuple(x.shape) != (t, hkv, d):
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected (T, Hkv, D) = {(t, hkv, d)}")
+    if k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} must both be "
+            f"(num_blocks, P, Hkv={hkv}, D={d})"
+        )
+    if k_cache.shape[1] < 1:
+        raise ValueError(f"page size {k_cache.shape[1]} must be >= 1")
+    for name, x, ndim in (("block_tables", block_tables, 2), ("cu_seqlens_q", cu_seqlens_q, 1),
+                          ("context_lens", context_lens, 1)):  # fmt: skip
+        if x.dtype != torch.int32 or x.dim() != ndim:
+            raise ValueError(f"{name} must be a {ndim}-D int32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+    batch = context_lens.shape[0]
+    if cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, expected B + 1 = {batch + 1}")
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows, expected B = {batch}")
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables needs a unit stride on its last dim, got strides {block_tables.stride()}")
+    if sliding_window == 0 or sliding_window < -1:
+        raise ValueError(f"sliding_window={sliding_window} must be -1 (no window) or > 0")
+    if not softcap >= 0:
+        raise ValueError(f"softcap={softcap} must be >= 0 (0 = no soft-capping)")
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over their sequence's paged cached context plus the new tokens.
+
+    Args:
+        q: ``(T, H, D)`` queries of this step's new tokens, all sequences packed; bf16/fp16/fp32. Any strides on
+            dims 0 and 1 (e.g. a view into a fused qkv tensor), unit stride on the last dim. D in 64/80/96/128/256.
+        k: ``(T, Hkv, D)`` new keys, same dtype and stride rules; ``H`` must be a multiple of ``Hkv`` (GQA/MQA:
+            query head ``h`` uses kv head ``h // (H // Hkv)``).
+        v: ``(T, Hkv, D)`` new values.
+        k_cache: ``(num_blocks, P, Hkv, D)`` paged key cache holding each sequence's ``context_lens[b]`` earlier
+            tokens. The new k/v need not be in it.
+        v_cache: ``(num_blocks, P, Hkv, D)`` paged value cache.
+        block_tables: ``(B, M)`` int32; cached token ``i`` of sequence ``b`` is in block ``block_tables[b, i // P]``
+            at offset ``i % P``. Entries past a sequence's used blocks are never read.
+        cu_seqlens_q: ``(B + 1,)`` int32 prefix sums of the new-token counts: sequence ``b`` owns rows
+            ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q/k/v.
+        context_lens: ``(B,)`` int32 number of tokens of each sequence already in the cache (0 for a fresh prompt);
+            new token ``j`` of sequence ``b`` has absolute position ``context_lens[b] + j``.
+        max_seqlen_q: python int >= the largest new-token count (sizes the launch grid).
+        scale: softmax scale multiplied into ``q @ k^T`` (usually ``D ** -0.5``).
+        sliding_window: -1 for none; else a query at position ``p`` sees keys at positions ``> p - sliding_window``.
+        softcap: 0 for none; else scores become ``softcap * tanh(scores / softcap)`` (after scaling, before masking).
+
+    Returns:
+        ``(T, H, D)`` contiguous, in ``q.dtype`` (accumulated in fp32).
+    """
+    _check_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sliding_window, softcap)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale={scale} must be finite")
+    return torch.ops.llmplug.prefill_attention(
+        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, int(max_seqlen_q), float(scale),
+        int(sliding_window), float(softcap),
+    )  # fmt: skip

@@ -71,3 +71,19 @@ def e2e_table(r: dict, ceil: dict) -> list[str]:
     if "llmplug_peak_memory_bytes" in r:
         lines.append(f"llmplug peak memory {r['llmplug_peak_memory_bytes'] / 2**30:.1f} GiB (KV pool included)")
     return lines
+
+
+def kernel_table(r: dict) -> list[str]:
+    """Lines of the attention microbenchmark table."""
+    bw = r["ceilings"].get("read_bytes_per_s", 0)
+    lines = ["## prefill attention (causal GQA 32q/8kv, D=128, bf16)",
+             f"{'seq':>6s} {'llmplug TFLOP/s':>16s} {'SDPA TFLOP/s':>13s} {'ratio':>6s} {'rel err':>8s}"]
+    for s, x in r.get("prefill_attention", {}).items():
+        lines.append(f"{s:>6} {x['llmplug_tflops']:16.0f} {x['sdpa_tflops']:13.0f} {x['ratio_vs_sdpa']:6.2f} "
+                     f"{x['rel_err_vs_sdpa']:8.1e}")
+    lines += [f"## decode attention (paged, P=16), read bandwidth ceiling {bw / 1e12:.2f} TB/s",
+              f"{'case':>14s} {'us':>8s} {'GB/s':>8s} {'% of read bw':>12s}"]
+    for k, x in r.get("decode_attention", {}).items():
+        frac = 100 * x.get("fraction_of_read_bw", 0)
+        lines.append(f"{k:>14s} {1e6 * x['s']:8.1f} {x['gb_per_s']:8.0f} {frac:11.0f}%")
+    return lines

@@ -101,6 +101,11 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
     unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
 
     seqs = SequenceBatch(runner, input_ids, model_kwargs.get("attention_mask"), generation_config.max_length)
+    # On CUDA without a streamer the host learns that every row finished one step late (HF's DeferredStopCheck
+    # idea): it queues step n+1 before it waits for step n, so the GPU never idles on the host's bookkeeping.
+    deferred = input_ids.device.type == "cuda" and streamer is None
+    done_host = torch.zeros((), dtype=torch.bool, pin_memory=True) if deferred else None
+    done_event = None
     try:
         logits = seqs.prefill()
         while True:
@@ -120,10 +125,23 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
             if streamer is not None:
                 streamer.put(next_tokens.cpu())
             unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-            active = unfinished.nonzero().squeeze(1).tolist()
-            if not active:
+            if input_ids.shape[1] >= generation_config.max_length:
                 break
-            logits = seqs.decode(next_tokens, active, logits)
+            if not deferred:
+                if not unfinished.any():
+                    break
+            else:
+                if done_event is not None:
+                    done_event.synchronize()
+                    if done_host.item():  # every row had finished a step ago: drop this step's extra token
+                        input_ids = input_ids[:, :-1]
+                        scores = scores[:-1] if scores is not None else None
+                        raw_logits = raw_logits[:-1] if raw_logits is not None else None
+                        break
+                done_host.copy_(unfinished.max() == 0, non_blocking=True)
+                done_event = torch.cuda.Event()
+                done_event.record()
+            logits = seqs.decode(next_tokens)
     finally:
         seqs.release()
     if streamer is not None:

@@ -28,6 +28,16 @@ def hf_forward(runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Te
     return out.logits[0]
 
 
+def decode_metadata(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> AttentionMetadata:
+    """Decode metadata from device tensors alone: ``positions (B,)`` (-1: padding row), ``block_tables (B, M)``."""
+    pos = positions.clamp(min=0)
+    page = block_tables.gather(1, (pos // block_size)[:, None]).squeeze(1).to(torch.long)
+    valid = positions >= 0
+    slots = torch.where(valid, page * block_size + pos % block_size, -1)
+    seq_lens = torch.where(valid, positions + 1, 0).to(torch.int32)
+    return AttentionMetadata(is_decode=True, slot_mapping=slots, block_tables=block_tables, seq_lens=seq_lens)
+
+
 class ModelRunner:
     """Owns the KV pool, the current step's metadata and the decode graphs of one optimized model."""
 
@@ -113,22 +123,23 @@ class ModelRunner:
         return next((b for b in self.config.graph_batch_sizes if b >= batch), None)
 
     @torch.inference_mode()
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode step (one token per sequence, ``(B,)`` inputs) -> logits ``(B, V)``; replays a graph if it can."""
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """Decode step: ``input_ids, positions (B,)``, ``block_tables (B, M)`` -> logits ``(B, V)``.
+
+        Slots and sequence lengths are derived on the device (:func:`decode_metadata`), so a step needs no host
+        data; a batch that fits a captured bucket replays that bucket's CUDA graph. Rows with position -1 are
+        padding.
+        """
         batch = input_ids.shape[0]
         bucket = self.graph_bucket(batch)
         if bucket is None:
-            return self.forward(input_ids, positions, meta, None)
+            return self.forward(input_ids, positions, decode_metadata(positions, block_tables, self.block_size), None)
         graph, buf = self._graphs.get(bucket) or self._capture(bucket)
-        width = meta.block_tables.shape[1]
         buf["input_ids"][:batch].copy_(input_ids)
         buf["positions"][:batch].copy_(positions)
-        buf["slot_mapping"][:batch].copy_(meta.slot_mapping)
-        buf["seq_lens"][:batch].copy_(meta.seq_lens)
-        buf["block_tables"][:batch, :width].copy_(meta.block_tables)
+        buf["block_tables"][:batch, :block_tables.shape[1]].copy_(block_tables)
         if batch < bucket:
-            buf["slot_mapping"][batch:].fill_(-1)
-            buf["seq_lens"][batch:].zero_()
+            buf["positions"][batch:].fill_(-1)
         graph.replay()
         return buf["logits"][:batch]
 
@@ -137,22 +148,23 @@ class ModelRunner:
         dev = self.device
         buf = {
             "input_ids": torch.zeros(bucket, dtype=torch.long, device=dev),
-            "positions": torch.zeros(bucket, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((bucket,), -1, dtype=torch.long, device=dev),
-            "seq_lens": torch.zeros(bucket, dtype=torch.int32, device=dev),
+            "positions": torch.full((bucket,), -1, dtype=torch.long, device=dev),
             "block_tables": torch.zeros(bucket, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
         }
-        meta = AttentionMetadata(is_decode=True, slot_mapping=buf["slot_mapping"], block_tables=buf["block_tables"],
-                                 seq_lens=buf["seq_lens"])
+
+        def step():
+            meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
+            return self.forward(buf["input_ids"], buf["positions"].clamp(min=0), meta, None)
+
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels, lazy buffers are made
-                self.forward(buf["input_ids"], buf["positions"], meta, None)
+                step()
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool()):
-            buf["logits"] = self.forward(buf["input_ids"], buf["positions"], meta, None)
+            buf["logits"] = step()
         self._graphs[bucket] = (graph, buf)
         return graph, buf
 

@@ -50,6 +50,8 @@ class SequenceBatch:
         if seq.ensure(num_tokens):
             new = torch.tensor(seq.blocks[old:], dtype=torch.int32)
             self.block_table[row, old:old + len(new)] = new
+            if self.device.type == "cuda":
+                new = new.pin_memory()  # a truly asynchronous copy: the host never waits for the GPU here
             self.block_table_dev[row, old:old + len(new)].copy_(new, non_blocking=True)
 
     def _slot(self, row: int, pos: int) -> int:
@@ -82,6 +84,7 @@ class SequenceBatch:
             for i, r in enumerate(rows):
                 if starts[i] + takes[i] == self.lengths[r]:
                     logits[r] = out[i]
+        self.positions = torch.tensor(self.lengths, dtype=torch.long).to(self.device)
         return torch.stack(logits)
 
     def _prefill_chunk(self, rows: list[int], starts: list[int], takes: list[int]) -> torch.Tensor:
@@ -104,28 +107,15 @@ class SequenceBatch:
         last = torch.tensor(cu[1:], dtype=torch.long).to(dev, non_blocking=True) - 1
         return self.runner.forward(torch.cat(ids), torch.tensor(positions, dtype=torch.long).to(dev), meta, last)
 
-    def decode(self, tokens: torch.Tensor, active: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Feed ``tokens (B,)`` of the ``active`` rows; returns ``logits (B, V)`` with those rows updated."""
-        positions, slots = [], []
-        for r in active:
-            pos = self.lengths[r]
-            self._grow(r, pos + 1)
-            positions.append(pos)
-            slots.append(self._slot(r, pos))
-            self.lengths[r] = pos + 1
-        host = torch.tensor([positions, slots], dtype=torch.long)
-        dev = host.to(self.device, non_blocking=True)
-        everyone = len(active) == len(self.prompts)
-        idx = None if everyone else torch.tensor(active, dtype=torch.long).to(self.device, non_blocking=True)
-        meta = AttentionMetadata(
-            is_decode=True,
-            slot_mapping=dev[1],
-            block_tables=self.block_table_dev if everyone else self.block_table_dev[idx],
-            seq_lens=(dev[0] + 1).to(torch.int32),
-        )
-        out = self.runner.decode(tokens if everyone else tokens[idx], dev[0], meta)
-        if everyone:
-            return out
-        logits = logits.clone()
-        logits[idx] = out.to(logits.dtype)
-        return logits
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (``tokens: (B,)`` on the device) -> logits ``(B, V)``. No host sync.
+
+        Every row advances, finished ones too (their tokens are padding), as in HF's loop; pages are added on the
+        host as rows cross page boundaries, positions advance on the device.
+        """
+        for r in range(len(self.prompts)):
+            self._grow(r, self.lengths[r] + 1)
+            self.lengths[r] += 1
+        out = self.runner.decode(tokens, self.positions, self.block_table_dev)
+        self.positions += 1
+        return out

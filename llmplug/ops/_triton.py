@@ -31,8 +31,8 @@ except ImportError:  # pragma: no cover - platforms without triton
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _cpu_kernels = [INTERPRET]
 
-__all__ = ["HAS_TRITON", "INTERPRET", "cpu_kernels", "llmplug_op", "maybe_wrap", "next_pow2", "tl", "triton",
-           "use_triton"]
+__all__ = ["HAS_TRITON", "INTERPRET", "cpu_kernels", "llmplug_op", "maybe_wrap", "next_pow2", "round_rne", "tl",
+           "triton", "use_triton"]
 
 
 def llmplug_op(name: str, mutates_args: tuple[str, ...] | str = ()):
@@ -75,6 +75,22 @@ def maybe_wrap(kernel):
     if INTERPRET:
         return kernel
     return torch.library.wrap_triton(kernel)
+
+
+if triton is not None:
+
+    @triton.jit
+    def round_rne(x, DTYPE: tl.constexpr):
+        """fp32 ``x`` rounded to ``DTYPE`` (nearest even), kept in fp32: what the GPU's ``x.to(DTYPE)`` gives.
+
+        For the interpreter, whose fp32 -> bf16 casts truncate; kernels call it only when interpreted.
+        """
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        else:
+            return x.to(DTYPE).to(tl.float32)
 
 
 def next_pow2(n: int) -> int:

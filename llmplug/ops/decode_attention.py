@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from ._triton import INTERPRET, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+from ._triton import INTERPRET, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
 
 LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # passed to the kernel as the window when there is none
@@ -93,19 +93,6 @@ if triton is not None:
         big = (1.0 - e) / (1.0 + e)
         big = tl.where(x < 0, -big, big)
         return tl.where(ax < 0.3, poly, big)
-
-    @triton.jit
-    def _rtne(x, DTYPE: tl.constexpr):
-        """fp32 ``x`` rounded to ``DTYPE`` (nearest even), kept in fp32: what the GPU's ``x.to(DTYPE)`` gives.
-
-        Interpreter only: it truncates fp32 -> bf16 casts (the GPU rounds), and its ``tl.dot`` mishandles bf16.
-        """
-        if DTYPE == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True)
-        else:
-            return x.to(DTYPE).to(tl.float32)
 
     @triton.jit
     def _decode_attn_kernel(
@@ -205,7 +192,7 @@ if triton is not None:
             v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             # Like flash attention: P in the input dtype for the PV matmul.
             if INTERPRETED:
-                p = _rtne(p, v.dtype)
+                p = round_rne(p, v.dtype)
                 v = v.to(tl.float32)
             else:
                 p = p.to(v.dtype)
@@ -216,7 +203,7 @@ if triton is not None:
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # no keys (padding row / empty split): zeros
         if NUM_SPLITS == 1:
             if INTERPRETED:
-                out = _rtne(out, out_ptr.dtype.element_ty)
+                out = round_rne(out, out_ptr.dtype.element_ty)
             o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
         else:
@@ -257,7 +244,7 @@ if triton is not None:
         total = tl.sum(w, 0)
         out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
         if INTERPRETED:
-            out = _rtne(out, out_ptr.dtype.element_ty)
+            out = round_rne(out, out_ptr.dtype.element_ty)
         o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_d
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ._triton import llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+from ._triton import llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -77,13 +77,6 @@ def prefill_attention_ref(
 
 
 if triton is not None:
-
-    @triton.jit
-    def _round_to_bf16(x):
-        """fp32 -> nearest bf16 value (ties to even), kept in fp32. For the interpreter, whose bf16 casts truncate."""
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _tile_range(need_lo, need_hi, safe_lo, safe_hi, BLOCK_N: tl.constexpr):
@@ -196,7 +189,7 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
             if UPCAST:
-                p = _round_to_bf16(p)
+                p = round_rne(p, tl.bfloat16)
             acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=DOT_PREC)  # p rounded to v's dtype
             m_i = m_new
         return acc, m_i, l_i
@@ -328,7 +321,7 @@ if triton is not None:
         # Every real query sees at least itself (l_i > 0); padding rows may see nothing, and are not stored.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if UPCAST:
-            out = _round_to_bf16(out)
+            out = round_rne(out, tl.bfloat16)
         o_mask = (offs_m < q_len)[:, None]
         if BLOCK_D != HEAD_DIM:
             o_mask = o_mask & (offs_d < HEAD_DIM)[None, :]

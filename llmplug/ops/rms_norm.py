@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+from ._triton import INTERPRET, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """Reference. ``x: (..., N)``, ``weight: (N,)`` -> contiguous ``x.shape`` in ``x.dtype``; math in fp32."""
+    """Reference. ``x: (..., N)``, ``weight: (N,)`` -> contiguous ``x.shape`` in ``x.dtype``; math in fp32.
+
+    Rounding follows HF: with ``offset == 0`` (Llama style) the normalised value is rounded to ``x.dtype`` before
+    the weight multiply; with ``offset != 0`` (Gemma style) everything stays fp32 until the final cast.
+    """
     xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())
-    return out.to(x.dtype).contiguous()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset == 0.0:
+        normed = normed.to(x.dtype).float()
+    return (normed * (offset + weight.float())).to(x.dtype).contiguous()
 
 
 def add_rms_norm_ref(
@@ -30,7 +36,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner, N, stride_xo, stride_xi,
-                         stride_res, eps, offset, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                         stride_res, eps, offset, HAS_RESIDUAL: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                         INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         # Row r of the (n_rows, N) output is x[r // inner, r % inner, :]; a 2D x has inner == 1.
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
@@ -45,7 +52,12 @@ if triton is not None:
             x = summed.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
-        out = x * rstd[:, None] * w[None, :]
+        normed = x * rstd[:, None]
+        if ROUND_FIRST:  # HF's Llama-style RMSNorm rounds before the weight multiply
+            normed = round_rne(normed, out_ptr.dtype.element_ty)
+        out = normed * w[None, :]
+        if INTERPRETED:  # the interpreter's casts truncate; round as the GPU does
+            out = round_rne(out, out_ptr.dtype.element_ty)
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -67,7 +79,8 @@ def _launch(x, weight, out, eps, offset, residual=None, residual_out=None):
         residual, residual_out = x, out
     maybe_wrap(_rms_norm_kernel)[(triton.cdiv(n_rows, rows),)](
         x, residual, weight, out, residual_out, n_rows, inner, n, x.stride(0), stride_xi, residual.stride(0), eps,
-        offset, HAS_RESIDUAL=has_residual, ROWS=rows, BLOCK=block, num_warps=num_warps)
+        offset, HAS_RESIDUAL=has_residual, ROUND_FIRST=offset == 0.0, INTERPRETED=INTERPRET, ROWS=rows, BLOCK=block,
+        num_warps=num_warps)
 
 
 @llmplug_op("rms_norm")

@@ -1,0 +1,61 @@
+"""Where a batch-1 decode step's time goes: graph replay alone vs the whole generate step, and a per-kernel
+breakdown of one eager decode step (torch.profiler). Usage: python benchmarks/profile_decode.py llama-8b"""
+
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import llmplug  # noqa: E402
+from llmplug.bench.shapes import build, weight_bytes  # noqa: E402
+from llmplug.engine.runner import decode_metadata  # noqa: E402
+
+
+def main(name: str, batch: int = 1) -> None:
+    model = build(name, torch.bfloat16, "cuda")
+    llmplug.optimize(model)
+    ids = torch.randint(3, 1000, (batch, 128), device="cuda")
+    model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    runner = model._llmplug_runner
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(input_ids=ids, max_new_tokens=256, do_sample=False)
+    torch.cuda.synchronize()
+    step = (time.perf_counter() - t0) / 256
+    graph, buf = runner._graphs[runner.graph_bucket(batch)]
+    buf["positions"][:batch] = 200
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        graph.replay()
+    start.record()
+    for _ in range(100):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    replay = start.elapsed_time(end) / 100 * 1e-3
+    wb = weight_bytes(model)
+    print(f"{name} b{batch}: generate step {step * 1e3:.3f} ms, graph replay {replay * 1e3:.3f} ms, "
+          f"weights {wb / 1e9:.2f} GB -> {wb / replay / 1e12:.2f} TB/s during replay")
+    pos = torch.full((batch,), 200, device="cuda")
+    bt = buf["block_tables"][:batch]
+    meta = decode_metadata(pos, bt, runner.block_size)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        runner.forward(buf["input_ids"][:batch], pos, meta, None)
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name[:70]][0] += 1
+            per[e.name[:70]][1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    total = sum(v[1] for v in per.values())
+    print(f"eager step kernels: {sum(v[0] for v in per.values())} launches, {total / 1e3:.3f} ms of kernel time")
+    for k, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:18]:
+        print(f"  {us / 1e3:8.3f} ms {n:5d}x  {k}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1)

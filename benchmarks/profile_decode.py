@@ -15,6 +15,7 @@ from llmplug.bench.shapes import build, weight_bytes  # noqa: E402
 from llmplug.engine.runner import decode_metadata  # noqa: E402
 
 
+@torch.inference_mode()
 def main(name: str, batch: int = 1) -> None:
     model = build(name, torch.bfloat16, "cuda")
     llmplug.optimize(model)

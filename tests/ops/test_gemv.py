@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from llmplug.ops.gemv import gemv, gemv_ref
+from tests.tolerances import assert_close_matmul_like
+
+
+@pytest.mark.parametrize("n,k", [(1, 64), (19, 80), (99, 200), (64, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_reference(n, k, dtype, bias):
+    x = torch.randn(1, k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype)
+    b = torch.randn(n, dtype=dtype) if bias else None
+    out = gemv(x, w, b, config=(8, 64, 4, 2))
+    ref64 = gemv_ref(x.double(), w.double(), b.double() if bias else None)
+    same = (x.float() @ w.float().T + (b.float() if bias else 0)).to(dtype)
+    assert_close_matmul_like(out, ref64, same)
+
+
+def test_row_view_of_fused_weight():
+    fused = torch.randn(48, 96)
+    w = fused[16:40]
+    x = torch.randn(1, 96)
+    torch.testing.assert_close(gemv(x, w, config=(8, 32, 4, 2)), gemv_ref(x, w))
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match=r"\(1, 8\)"):
+        gemv(torch.randn(2, 8), torch.randn(4, 8))
+
+
+def test_opcheck():
+    torch.library.opcheck(torch.ops.llmplug.gemv.default, (torch.randn(1, 32), torch.randn(16, 32), None, 8, 32, 4, 2))

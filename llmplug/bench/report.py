@@ -66,8 +66,13 @@ def e2e_table(r: dict, ceil: dict) -> list[str]:
         lines.append(f"{f'static batch {b} output tok/s':38s} {theirs:12.1f} {'':13s} {ours:10.1f} "
                      f"{ours / theirs:11.2f}x")
     lines.append(f"warm-up s: stock static+compile {r.get('stock_static_compile_warmup_s', float('nan')):.1f}, "
-                 f"llmplug {r['llmplug_warmup_s']:.1f}; greedy agreement (first 32 tokens, 16 prompts): "
-                 f"{100 * r['greedy_agreement_32']:.0f}%")
+                 f"llmplug {r['llmplug_warmup_s']:.1f}")
+    ours, base = r["llmplug_vs_sdpa"], r["stock_eager_vs_sdpa"]
+    lines.append(f"greedy agreement with stock sdpa, first 32 tokens of 16 prompts: llmplug "
+                 f"{100 * ours['rows_identical']:.0f}% "
+                 f"(teacher-forced argmax {100 * ours['teacher_forced_argmax']:.1f}%)"
+                 f"; stock eager {100 * base['rows_identical']:.0f}% "
+                 f"(teacher-forced {100 * base['teacher_forced_argmax']:.1f}%)")
     if "llmplug_peak_memory_bytes" in r:
         lines.append(f"llmplug peak memory {r['llmplug_peak_memory_bytes'] / 2**30:.1f} GiB (KV pool included)")
     return lines

@@ -1,5 +1,8 @@
 """Matrix-vector product for one-token decode: ``y = x @ W^T (+ b)`` with ``x: (1, K)``, ``W: (N, K)``.
 
+Optionally the MLP's gated activation is applied while ``x`` is loaded (``x = act(gu[:K]) * gu[K:]`` from the fused
+gate/up output ``gu: (1, 2K)``), which saves the activation kernel and its round trip for the down projection.
+
 At batch 1 a decode step is a stream of weight reads; cuBLAS picks small-N split-K kernels for the narrower
 projections (q/k/v, o) that reach ~3.1 TB/s of an H200's ~4.25. This kernel gives every program a few whole rows
 of ``W`` (no split-K, no reduction launch) and keeps several loads in flight.
@@ -11,18 +14,24 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import INTERPRET, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from .act_mul import act_and_mul_ref
+
+ACTIVATIONS = ("", "silu", "gelu_tanh")
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: ``F.linear``. ``x: (1, K)``, ``weight: (N, K)``, ``bias: (N,)`` -> ``(1, N)``."""
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             activation: str = "") -> torch.Tensor:
+    """Reference. ``x: (1, K)`` (or ``(1, 2K)`` gate/up with ``activation``), ``weight: (N, K)`` -> ``(1, N)``."""
+    if activation:
+        x = act_and_mul_ref(x, activation)
     return F.linear(x, weight, bias)
 
 
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         cols = tl.arange(0, BLOCK_K)
@@ -31,8 +40,20 @@ if triton is not None:
         for k in range(0, K, BLOCK_K):
             k_mask = (k + cols) < K
             w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            xk = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0)
-            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+            xk = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32)
+            if ACT != "":
+                up = tl.load(x_ptr + K + k + cols, mask=k_mask, other=0.0).to(tl.float32)
+                if ACT == "silu":
+                    xk = xk / (1.0 + tl.exp(-xk))
+                else:  # gelu_tanh
+                    inner = 0.7978845608028654 * (xk + 0.044715 * xk * xk * xk)
+                    xk = 0.5 * xk * (2.0 / (1.0 + tl.exp(-2.0 * inner)))
+                # round like the unfused act_and_mul output that F.linear would read
+                if INTERPRETED:
+                    xk = round_rne(xk * up, x_ptr.dtype.element_ty)
+                else:
+                    xk = (xk * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+            acc += w.to(tl.float32) * xk[None, :]
             w_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
@@ -42,45 +63,59 @@ if triton is not None:
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-# NOTE: (BLOCK_N, BLOCK_K, num_warps, num_stages) defaults; benchmarks/gemv_sweep.py measures the alternatives.
-DEFAULT_CONFIG = (8, 512, 4, 4)
+def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``W: (N, K)``.
+
+    NOTE: H200, 2026-11-22, benchmarks/gemv_sweep.py (GB/s; cuBLAS in brackets): (2, 1024, 4, 4) is best or within
+    1% on 8B o 3182 [2675], down 3925 [3785], gate_up 4225 [4202], lm_head 4447 [4210] and 1B o/down/gate_up;
+    wider-than-deep q/k/v prefer (8, 512, 4, 4): 8B qkv 3635 [3302] (2, 1024: 3432).
+    """
+    if k < n < 16384:
+        return (8, 512, 4, 4)
+    return (2, 1024, 4, 4)
 
 
 @llmplug_op("gemv")
-def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, block_k: int,
-             num_warps: int, num_stages: int) -> torch.Tensor:
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, block_n: int,
+             block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
     if not use_triton(x):
-        return gemv_ref(x, weight, bias)
+        return gemv_ref(x, weight, bias, activation)
     assert x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1, "gemv needs x (1, K) and W (N, K)"
     n, k = weight.shape
     out = x.new_empty((1, n))
     block_k = min(block_k, next_pow2(k))
     maybe_wrap(_gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        ACT=activation, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETED=INTERPRET, num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 
 @_gemv_op.register_fake
-def _(x, weight, bias, block_n, block_k, num_warps, num_stages):
+def _(x, weight, bias, activation, block_n, block_k, num_warps, num_stages):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] = DEFAULT_CONFIG) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for a single row.
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "",
+         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a single row, optionally ``act(gate) * up`` applied to ``x`` on the fly.
 
     Args:
-        x: ``(1, K)`` contiguous.
+        x: ``(1, K)`` contiguous; with ``activation``, ``(1, 2K)`` = ``cat([gate, up])``.
         weight: ``(N, K)`` with unit stride along K (row views of a fused weight are fine).
         bias: optional ``(N,)``.
-        config: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``.
+        activation: ``""`` (none), ``"silu"`` or ``"gelu_tanh"``.
+        config: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``; default :func:`choose_config`.
 
     Returns:
         ``(1, N)`` in ``x.dtype``.
     """
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv needs x of shape (1, {weight.shape[1]}), got {tuple(x.shape)}")
+    k = weight.shape[1]
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
+    want = 2 * k if activation else k
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != want:
+        raise ValueError(f"gemv needs x of shape (1, {want}), got {tuple(x.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x.dtype={x.dtype} does not match weight.dtype={weight.dtype}")
-    return torch.ops.llmplug.gemv(x.contiguous(), weight, bias, *config)
+    return torch.ops.llmplug.gemv(x.contiguous(), weight, bias, activation, *(config or choose_config(*weight.shape)))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..engine.attention import paged_attention
 from ..ops.act_mul import act_and_mul
+from ..ops.gemv import gemv
 from ..ops.rms_norm import add_rms_norm, rms_norm
 from ..ops.rope import apply_rope_
 from .undo import UndoLog
@@ -100,6 +101,20 @@ class FusedDecoder:
             ))
         self.head_dim = self.base.layers[0].self_attn.head_dim
 
+    @staticmethod
+    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                activation: str = "") -> torch.Tensor:
+        """``x @ W^T (+ b)``, with ``act(gate) * up`` applied to ``x`` first when ``activation`` is given.
+
+        One token on CUDA (batch-1 decode) goes through llmplug's GEMV, which reads the weight at a higher rate
+        than cuBLAS's small-N kernels and fuses the activation; everything else through ``F.linear``.
+        """
+        if x.shape[0] == 1 and x.is_cuda:
+            return gemv(x, weight, bias, activation)
+        if activation:
+            x = act_and_mul(x, activation)
+        return F.linear(x, weight, bias)
+
     def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         return rms_norm(x, norm.weight, _eps(norm), self.spec.norm_offset)
 
@@ -129,7 +144,7 @@ class FusedDecoder:
                 residual, x = hidden, self._norm(hidden, layer.input_layernorm)
             else:
                 x, residual = self._add_norm(hidden, residual, layer.input_layernorm)
-            qkv = F.linear(x, lay.qkv_w, lay.qkv_b)
+            qkv = self._linear(x, lay.qkv_w, lay.qkv_b)
             q = qkv[:, :lay.q_size].view(t, -1, d)
             k = qkv[:, lay.q_size:lay.q_size + lay.kv_size].view(t, -1, d)
             v = qkv[:, lay.q_size + lay.kv_size:].view(t, -1, d)
@@ -139,19 +154,20 @@ class FusedDecoder:
             apply_rope_(q, k, cos, sin)
             k_cache, v_cache = cache.layer(i)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, lay.scale, lay.window, lay.softcap)
-            hidden = attn.o_proj(o.view(t, -1))
+            hidden = self._linear(o.view(t, -1), attn.o_proj.weight, attn.o_proj.bias)
             if spec.sandwich_norms:
                 hidden = self._norm(hidden, layer.post_attention_layernorm)
                 x, residual = self._add_norm(hidden, residual, layer.pre_feedforward_layernorm)
             else:
                 x, residual = self._add_norm(hidden, residual, layer.post_attention_layernorm)
-            hidden = layer.mlp.down_proj(act_and_mul(F.linear(x, lay.gate_up_w), self.activation))
+            down = layer.mlp.down_proj
+            hidden = self._linear(self._linear(x, lay.gate_up_w), down.weight, down.bias, self.activation)
             if spec.sandwich_norms:
                 hidden = self._norm(hidden, layer.post_feedforward_layernorm)
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]
         hidden, _ = self._add_norm(hidden, residual, self.base.norm)
-        logits = self.lm_head(hidden)
+        logits = self._linear(hidden, self.lm_head.weight, self.lm_head.bias)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

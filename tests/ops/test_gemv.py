@@ -13,8 +13,20 @@ def test_matches_reference(n, k, dtype, bias):
     w = torch.randn(n, k, dtype=dtype)
     b = torch.randn(n, dtype=dtype) if bias else None
     out = gemv(x, w, b, config=(8, 64, 4, 2))
+    assert out.shape == (1, n)
     ref64 = gemv_ref(x.double(), w.double(), b.double() if bias else None)
     same = (x.float() @ w.float().T + (b.float() if bias else 0)).to(dtype)
+    assert_close_matmul_like(out, ref64, same)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_activation(activation, dtype):
+    gu = torch.randn(1, 2 * 80, dtype=dtype)
+    w = torch.randn(37, 80, dtype=dtype)
+    out = gemv(gu, w, activation=activation, config=(8, 32, 4, 2))
+    ref64 = gemv_ref(gu.double(), w.double(), activation=activation)
+    same = gemv_ref(gu, w, activation=activation)
     assert_close_matmul_like(out, ref64, same)
 
 
@@ -28,7 +40,10 @@ def test_row_view_of_fused_weight():
 def test_bad_input():
     with pytest.raises(ValueError, match=r"\(1, 8\)"):
         gemv(torch.randn(2, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="relu"):
+        gemv(torch.randn(1, 16), torch.randn(4, 8), activation="relu")
 
 
 def test_opcheck():
-    torch.library.opcheck(torch.ops.llmplug.gemv.default, (torch.randn(1, 32), torch.randn(16, 32), None, 8, 32, 4, 2))
+    args = (torch.randn(1, 32), torch.randn(16, 32), None, "", 8, 32, 4, 2)
+    torch.library.opcheck(torch.ops.llmplug.gemv.default, args)

@@ -100,6 +100,8 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
     batch = input_ids.shape[0]
     unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
 
+    plain_greedy = (not generation_config.do_sample and len(logits_processor) == 0 and scores is None
+                    and raw_logits is None)
     seqs = SequenceBatch(runner, input_ids, model_kwargs.get("attention_mask"), generation_config.max_length)
     # On CUDA without a streamer the host learns that every row finished one step late (HF's DeferredStopCheck
     # idea): it queues step n+1 before it waits for step n, so the GPU never idles on the host's bookkeeping.
@@ -109,16 +111,19 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
     try:
         logits = seqs.prefill()
         while True:
-            next_logits = logits.to(copy=True, dtype=torch.float32)
-            next_scores = logits_processor(input_ids, next_logits)
-            if scores is not None:
-                scores += (next_scores,)
-            if raw_logits is not None:
-                raw_logits += (next_logits,)
-            if generation_config.do_sample:
-                next_tokens = torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
+            if plain_greedy:  # argmax of the bf16/fp16 logits equals argmax of their exact fp32 copies
+                next_tokens = torch.argmax(logits, dim=-1)
             else:
-                next_tokens = torch.argmax(next_scores, dim=-1)
+                next_logits = logits.to(copy=True, dtype=torch.float32)
+                next_scores = logits_processor(input_ids, next_logits)
+                if scores is not None:
+                    scores += (next_scores,)
+                if raw_logits is not None:
+                    raw_logits += (next_logits,)
+                if generation_config.do_sample:
+                    next_tokens = torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    next_tokens = torch.argmax(next_scores, dim=-1)
             if has_eos:
                 next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)

@@ -63,15 +63,22 @@ if triton is not None:
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
+def choose_config(n: int, k: int, activation: str = "") -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``W: (N, K)``.
 
-    NOTE: H200, 2026-11-22, benchmarks/gemv_sweep.py (GB/s; cuBLAS in brackets): (2, 1024, 4, 4) is best or within
-    1% on 8B o 3182 [2675], down 3925 [3785], gate_up 4225 [4202], lm_head 4447 [4210] and 1B o/down/gate_up;
-    wider-than-deep q/k/v prefer (8, 512, 4, 4): 8B qkv 3635 [3302] (2, 1024: 3432).
+    NOTE: H200, 2026-11-22, benchmarks/gemv_sweep.py, GB/s with cuBLAS in brackets. Fused activation needs more
+    rows per program (each program re-reads and re-activates the whole gate/up row): 8B down+silu (8, 512, 4, 4)
+    3691 [act kernel + cuBLAS 3639] but (2, 1024, 4, 4) only 2829; 1B down+silu (8, 1024, 8, 3) 2712 [2303].
+    Wide outputs: 8B gate_up (16, 256, 4, 4) 4329 [3921], lm_head 4563 [4422]. Wider-than-deep q/k/v: 8B
+    (8, 512, 4, 4) 3576 [3108], 1B (8, 1024, 8, 3) 2678 [1919]. Square and deep (o, down): (2, 1024, 4, 4),
+    8B o 3181 [2707], down 3966 [3822], 1B down 3266 [2654].
     """
-    if k < n < 16384:
-        return (8, 512, 4, 4)
+    if activation:
+        return (8, 1024, 8, 3) if k <= 8192 else (8, 512, 4, 4)
+    if n >= 16384:
+        return (16, 256, 4, 4)
+    if k < n:
+        return (8, 1024, 8, 3) if k <= 2048 else (8, 512, 4, 4)
     return (2, 1024, 4, 4)
 
 
@@ -118,4 +125,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv needs x of shape (1, {want}), got {tuple(x.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x.dtype={x.dtype} does not match weight.dtype={weight.dtype}")
-    return torch.ops.llmplug.gemv(x.contiguous(), weight, bias, activation, *(config or choose_config(*weight.shape)))
+    config = config or choose_config(*weight.shape, activation)
+    return torch.ops.llmplug.gemv(x.contiguous(), weight, bias, activation, *config)

@@ -17,6 +17,7 @@ import contextlib
 import os
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 try:
     import triton
@@ -31,8 +32,8 @@ except ImportError:  # pragma: no cover - platforms without triton
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _cpu_kernels = [INTERPRET]
 
-__all__ = ["HAS_TRITON", "INTERPRET", "cpu_kernels", "llmplug_op", "maybe_wrap", "next_pow2", "round_rne", "tl",
-           "triton", "use_triton"]
+__all__ = ["HAS_TRITON", "INTERPRET", "call_op", "cpu_kernels", "llmplug_op", "maybe_wrap", "next_pow2", "round_rne",
+           "tl", "triton", "use_triton"]
 
 
 def llmplug_op(name: str, mutates_args: tuple[str, ...] | str = ()):
@@ -65,6 +66,17 @@ def cpu_kernels(enabled: bool):
         yield
     finally:
         _cpu_kernels.pop()
+
+
+def call_op(op, *args):
+    """Run a llmplug op: straight into its implementation in plain eager mode, through ``torch.ops`` otherwise.
+
+    The dispatcher round trip costs ~10-20 us a call, which adds up over a prefill's few hundred op calls; under
+    ``torch.compile`` or any dispatch mode (fake tensors, functionalization) the registered op is used as it must.
+    """
+    if torch.compiler.is_compiling() or _current_dispatch_mode() is not None:
+        return op._opoverload(*args)
+    return op._init_fn(*args)
 
 
 def maybe_wrap(kernel):

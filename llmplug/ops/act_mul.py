@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -72,5 +72,5 @@ def act_and_mul(gu: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
     lead = gu.shape[:-1]
-    out = torch.ops.llmplug.act_and_mul(gu.reshape(-1, gu.shape[-1]), activation)
+    out = call_op(_act_and_mul_op, gu.reshape(-1, gu.shape[-1]), activation)
     return out.view(*lead, -1)

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from ._triton import INTERPRET, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
 
 LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # passed to the kernel as the window when there is none
@@ -459,7 +459,8 @@ def decode_attention(
         q = q.contiguous()
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
-    return torch.ops.llmplug.decode_attention(
+    return call_op(
+        _decode_attention_op,
         q,
         k_cache,
         v_cache,

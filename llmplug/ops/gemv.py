@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import INTERPRET, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
 from .act_mul import act_and_mul_ref
 
 ACTIVATIONS = ("", "silu", "gelu_tanh")
@@ -126,4 +126,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if x.dtype != weight.dtype:
         raise ValueError(f"x.dtype={x.dtype} does not match weight.dtype={weight.dtype}")
     config = config or choose_config(*weight.shape, activation)
-    return torch.ops.llmplug.gemv(x.contiguous(), weight, bias, activation, *config)
+    return call_op(_gemv_op, x.contiguous(), weight, bias, activation, *config)

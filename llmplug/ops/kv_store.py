@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
 
 
 def store_kv_ref(
@@ -146,4 +146,4 @@ def store_kv(
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    torch.ops.llmplug.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    call_op(_store_kv_op, k, v, k_cache, v_cache, slot_mapping)

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ._triton import llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -492,7 +492,8 @@ def prefill_attention(
     _check_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sliding_window, softcap)
     if not math.isfinite(scale):
         raise ValueError(f"scale={scale} must be finite")
-    return torch.ops.llmplug.prefill_attention(
+    return call_op(
+        _prefill_attention_op,
         q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, int(max_seqlen_q), float(scale),
         int(sliding_window), float(softcap),
     )  # fmt: skip

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import INTERPRET, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
@@ -143,7 +143,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be (R, N) or (T, H, N); got x.shape={tuple(x.shape)}")
     _check_weight(x, weight)
-    return torch.ops.llmplug.rms_norm(x, weight, float(eps), float(offset))
+    return call_op(_rms_norm_op, x, weight, float(eps), float(offset))
 
 
 def add_rms_norm(
@@ -167,4 +167,4 @@ def add_rms_norm(
     if residual.dtype != x.dtype:
         raise ValueError(f"residual.dtype={residual.dtype} differs from x.dtype={x.dtype}")
     _check_weight(x, weight)
-    return torch.ops.llmplug.add_rms_norm(x, residual, weight, float(eps), float(offset))
+    return call_op(_add_rms_norm_op, x, residual, weight, float(eps), float(offset))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
 
 
 def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -99,4 +99,4 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     r = cos.shape[-1]
     if r % 2 or not 0 < r <= q.shape[-1]:
         raise ValueError(f"rotary dim R={r} must be even and in (0, head_dim={q.shape[-1]}]")
-    torch.ops.llmplug.apply_rope(q, k, cos, sin)
+    call_op(_apply_rope_op, q, k, cos, sin)

@@ -20,8 +20,8 @@ RUNTIME_ATTR = "_llmplug_runtime"
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
-    """Store ``k, v`` into the pages and attend.
+                    softcap: float | None = None, stored: bool = False) -> torch.Tensor:
+    """Store ``k, v`` into the pages (unless ``stored``: the caller already did) and attend.
 
     Args:
         q: ``(T, H, D)``; k, v: ``(T, Hkv, D)`` (strided views allowed, last dim contiguous).
@@ -33,7 +33,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """
     window = -1 if sliding_window is None else int(sliding_window)
     cap = 0.0 if softcap is None else float(softcap)
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if not stored:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap)
     return prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,

@@ -16,7 +16,7 @@ from ..engine.attention import paged_attention
 from ..ops.act_mul import act_and_mul
 from ..ops.gemv import gemv
 from ..ops.rms_norm import add_rms_norm, rms_norm
-from ..ops.rope import apply_rope_
+from ..ops.rope_store_kv import rope_store_kv
 from .undo import UndoLog
 
 
@@ -151,9 +151,9 @@ class FusedDecoder:
             if hasattr(attn, "q_norm"):
                 q, k = self._norm(q, attn.q_norm), self._norm(k, attn.k_norm)
             cos, sin = rope[lay.rope_key]
-            apply_rope_(q, k, cos, sin)
             k_cache, v_cache = cache.layer(i)
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, lay.scale, lay.window, lay.softcap)
+            rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, lay.scale, lay.window, lay.softcap, stored=True)
             hidden = self._linear(o.view(t, -1), attn.o_proj.weight, attn.o_proj.bias)
             if spec.sandwich_norms:
                 hidden = self._norm(hidden, layer.post_attention_layernorm)

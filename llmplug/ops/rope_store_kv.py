@@ -1,0 +1,106 @@
+"""RoPE on q/k in place and the new k/v written into the paged cache, in one launch (the fused decode path).
+
+Equivalent to :func:`llmplug.ops.rope.apply_rope_` followed by :func:`llmplug.ops.kv_store.store_kv`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+from .kv_store import store_kv_ref
+from .rope import apply_rope_ref
+
+
+def rope_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> None:
+    """Reference: rotate ``q, k`` in place, then store ``k, v`` at ``slot_mapping`` (negative slots skipped)."""
+    q_out, k_out = apply_rope_ref(q, k, cos, sin)
+    q.copy_(q_out)
+    k.copy_(k_out)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, H, HKV, D, HALF,
+                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
+                              HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
+        # Program (t, j) handles heads j*HEADS.. of token t, counting q's H heads, then k's HKV, then v's HKV.
+        t = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+        is_q = heads < H
+        is_v = heads >= H + HKV
+        valid = heads < H + 2 * HKV
+        cols = tl.arange(0, BLOCK_D)
+        rot = cols < 2 * HALF
+        partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
+        sign = tl.where(cols < HALF, -1.0, 1.0)
+        cos = tl.load(cos_ptr + t * stride_cos + cols, mask=rot, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + t * stride_sin + cols, mask=rot, other=0.0).to(tl.float32) * sign
+        q_row = q_ptr + t * stride_qt + heads * stride_qh
+        k_row = k_ptr + t * stride_kt + (heads - H) * stride_kh
+        v_row = v_ptr + t * stride_vt + (heads - H - HKV) * stride_vh
+        row = tl.where(is_q, q_row, tl.where(is_v, v_row, k_row))[:, None]
+        mask = valid[:, None] & (cols < D)[None, :]
+        x = tl.load(row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rotate = (~is_v)[:, None] & rot[None, :]
+        other = tl.load(row + partner[None, :], mask=mask & rotate, other=0.0).to(tl.float32)
+        y = tl.where(rotate, x * cos[None, :] + other * sin[None, :], x).to(q_ptr.dtype.element_ty)
+        tl.store(row + cols[None, :], y, mask=mask & rotate)
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            kv_head = tl.where(is_v, heads - H - HKV, heads - H)
+            dst = tl.where(is_v, vc_ptr, kc_ptr) + (slot * HKV + kv_head) * D
+            tl.store(dst[:, None] + cols[None, :], y, mask=mask & (~is_q)[:, None])
+
+
+@llmplug_op("rope_store_kv", mutates_args=("q", "k", "k_cache", "v_cache"))
+def _rope_store_kv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    if not use_triton(q):
+        rope_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return
+    assert all(x.stride(-1) == 1 for x in (q, k, v, cos, sin)), "last dims must be contiguous"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    if t == 0:
+        return
+    block_d = next_pow2(d)
+    heads = min(next_pow2(h + 2 * hkv), max(1, 2048 // block_d))
+    grid = (t, triton.cdiv(h + 2 * hkv, heads))
+    maybe_wrap(_rope_store_kv_kernel)[grid](
+        q, k, v, cos, sin, k_cache, v_cache, slot_mapping, h, hkv, d, cos.shape[-1] // 2, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), HEADS=heads,
+        BLOCK_D=block_d, num_warps=max(1, min(8, heads * block_d // 256)))
+
+
+@_rope_store_kv_op.register_fake
+def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    return None
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotate ``q, k`` in place (HF ``rotate_half`` RoPE on the first ``R`` dims) and store ``k, v`` into pages.
+
+    Args:
+        q: ``(T, H, D)``; k, v: ``(T, Hkv, D)``; strided views of one fused qkv tensor are fine (last dim
+            contiguous).
+        cos, sin: ``(T, R)``, ``R`` even, ``R <= D``.
+        k_cache, v_cache: ``(num_blocks, P, Hkv, D)`` contiguous, dtype of ``k``.
+        slot_mapping: ``(T,)`` int64 flat slot of each token; negative slots are skipped.
+    """
+    if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"need q (T, H, D), k and v (T, Hkv, D); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}, caches {k_cache.dtype}")
+    r = cos.shape[-1]
+    if cos.shape != sin.shape or cos.shape[0] != q.shape[0] or r % 2 or not 0 < r <= q.shape[-1]:
+        raise ValueError(f"cos/sin must be (T, R) with R even and <= {q.shape[-1]}; got {tuple(cos.shape)}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (q.shape[0],):
+        raise ValueError(f"slot_mapping must be ({q.shape[0]},) int64, got {tuple(slot_mapping.shape)} "
+                         f"{slot_mapping.dtype}")
+    call_op(_rope_store_kv_op, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)

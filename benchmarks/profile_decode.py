@@ -27,7 +27,7 @@ def main(name: str, batch: int = 1) -> None:
     model.generate(input_ids=ids, max_new_tokens=256, do_sample=False)
     torch.cuda.synchronize()
     step = (time.perf_counter() - t0) / 256
-    graph, buf = runner._graphs[runner.graph_bucket(batch)]
+    graph, buf = runner._graphs[("decode", runner.graph_bucket(batch))]
     buf["positions"][:batch] = 200
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(5):

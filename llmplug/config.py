@@ -23,6 +23,7 @@ class OptimizeConfig:
             on CPU, the share of physical memory.
         cuda_graphs: replay CUDA graphs for decode steps (CUDA only).
         graph_batch_sizes: batch-size buckets captured for decode; larger batches run eagerly.
+        graph_prefill_tokens: token buckets captured for single-sequence prefill chunks; others run eagerly.
         max_prefill_tokens: prompt tokens packed into one forward pass; longer prompts are chunked.
         max_model_len: longest sequence (prompt + new tokens); ``None`` takes the model config's
             ``max_position_embeddings``.
@@ -34,6 +35,7 @@ class OptimizeConfig:
     kv_memory_fraction: float = 0.6
     cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128))
+    graph_prefill_tokens: tuple[int, ...] = field(default=(64, 128, 256, 512))
     max_prefill_tokens: int = 8192
     max_model_len: int | None = None
 
@@ -47,10 +49,11 @@ class OptimizeConfig:
             raise ValueError(f"kv_num_blocks={self.kv_num_blocks!r} must be a positive int or None")
         if not (isinstance(self.kv_memory_fraction, (int, float)) and 0.0 < self.kv_memory_fraction < 1.0):
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction!r} must be a float in (0, 1)")
-        sizes = tuple(self.graph_batch_sizes)
-        if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
-            raise ValueError(f"graph_batch_sizes={self.graph_batch_sizes!r} must be positive ints")
-        object.__setattr__(self, "graph_batch_sizes", tuple(sorted(set(sizes))))
+        for name in ("graph_batch_sizes", "graph_prefill_tokens"):
+            sizes = tuple(getattr(self, name))
+            if any(not isinstance(b, int) or b < 1 for b in sizes):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be positive ints")
+            object.__setattr__(self, name, tuple(sorted(set(sizes))))
         if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens!r} must be a positive int")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):

@@ -68,5 +68,21 @@ def test_family_greedy_fp32_cuda_graphs(family):
     assert model._llmplug_runner._graphs, "decode did not go through a CUDA graph"
     assert torch.equal(got, expected)
     one = model.generate(input_ids=ids[:1, -5:], max_new_tokens=20, do_sample=False)
+    assert ("prefill", 64) in model._llmplug_runner._graphs, "single-prompt prefill did not replay a graph"
     llmplug.unoptimize(model)
     assert torch.equal(one, model.generate(input_ids=ids[:1, -5:], max_new_tokens=20, do_sample=False))
+
+
+def test_dynamic_rope_runs_without_graphs():
+    import transformers as tf
+
+    from tests.tiny_models import COMMON
+
+    config = tf.LlamaConfig(**{**COMMON, "max_position_embeddings": 64},
+                            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = tf.AutoModelForCausalLM.from_config(config).cuda().eval()
+    ids = torch.tensor(prompts(1, lengths=(70,)), device="cuda")
+    expected = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False)
+    llmplug.optimize(model, max_model_len=128)
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=10, do_sample=False), expected)
+    assert not model._llmplug_runner._graphs

@@ -54,7 +54,7 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cache: PagedKVCache | None = None
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
+        self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._hf_configs = self._attention_configs()
 
     # ---- KV pool -------------------------------------------------------------------------------------------
@@ -117,10 +117,45 @@ class ModelRunner:
         finally:
             self.meta = None
 
+    def _graphs_on(self) -> bool:
+        return self.config.cuda_graphs and self.device.type == "cuda" and not self._data_dependent_rope
+
+    @property
+    def _data_dependent_rope(self) -> bool:
+        """HF's dynamic / longrope rotary embeddings read position values on the host: no graph capture."""
+        params = getattr(self.model.config.get_text_config(), "rope_parameters", None) or {}
+        kinds = [params.get("rope_type")] + [v.get("rope_type") for v in params.values() if isinstance(v, dict)]
+        return any(k in ("dynamic", "longrope") for k in kinds)
+
     def graph_bucket(self, batch: int) -> int | None:
-        if not (self.config.cuda_graphs and self.device.type == "cuda"):
+        """The captured decode batch size a batch of ``batch`` rows runs in, or None (eager)."""
+        if not self._graphs_on():
             return None
         return next((b for b in self.config.graph_batch_sizes if b >= batch), None)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """Prefill step -> logits ``(B, V)`` of rows ``logits_indices``.
+
+        One sequence's chunk of up to ``max(graph_prefill_tokens)`` tokens replays a graph captured for the next
+        token bucket: pad tokens follow the real ones (no real query sees them) and are never stored (slot -1).
+        Anything else runs eagerly.
+        """
+        tokens = input_ids.shape[0]
+        bucket = next((t for t in self.config.graph_prefill_tokens if t >= tokens), None)
+        if not self._graphs_on() or bucket is None or meta.block_tables.shape[0] != 1:
+            return self.forward(input_ids, positions, meta, logits_indices)
+        graph, buf = self._graphs.get(("prefill", bucket)) or self._capture_prefill(bucket)
+        buf["input_ids"][:tokens].copy_(input_ids)
+        torch.add(buf["offsets"], positions[:1], out=buf["positions"])
+        buf["slot_mapping"][:tokens].copy_(meta.slot_mapping)
+        buf["slot_mapping"][tokens:].fill_(-1)
+        buf["block_tables"][:, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        buf["context_lens"].copy_(meta.context_lens)
+        buf["logits_indices"].copy_(logits_indices)
+        graph.replay()
+        return buf["logits"]
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -134,7 +169,7 @@ class ModelRunner:
         bucket = self.graph_bucket(batch)
         if bucket is None:
             return self.forward(input_ids, positions, decode_metadata(positions, block_tables, self.block_size), None)
-        graph, buf = self._graphs.get(bucket) or self._capture(bucket)
+        graph, buf = self._graphs.get(("decode", bucket)) or self._capture_decode(bucket)
         buf["input_ids"][:batch].copy_(input_ids)
         buf["positions"][:batch].copy_(positions)
         buf["block_tables"][:batch, :block_tables.shape[1]].copy_(block_tables)
@@ -143,19 +178,44 @@ class ModelRunner:
         graph.replay()
         return buf["logits"][:batch]
 
-    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]:
-        self.ensure_cache()
+    def _buffers(self, rows: int, tokens: int) -> dict[str, torch.Tensor]:
         dev = self.device
-        buf = {
-            "input_ids": torch.zeros(bucket, dtype=torch.long, device=dev),
-            "positions": torch.full((bucket,), -1, dtype=torch.long, device=dev),
-            "block_tables": torch.zeros(bucket, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+        return {
+            "input_ids": torch.zeros(tokens, dtype=torch.long, device=dev),
+            "positions": torch.full((tokens,), -1, dtype=torch.long, device=dev),
+            "block_tables": torch.zeros(rows, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
         }
+
+    def _capture_decode(self, bucket: int):
+        buf = self._buffers(bucket, bucket)
 
         def step():
             meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
             return self.forward(buf["input_ids"], buf["positions"].clamp(min=0), meta, None)
 
+        return self._capture(("decode", bucket), buf, step)
+
+    def _capture_prefill(self, tokens: int):
+        dev = self.device
+        buf = self._buffers(1, tokens)
+        buf["positions"].zero_()
+        buf.update(
+            offsets=torch.arange(tokens, device=dev),
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.long, device=dev),
+            cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(1, dtype=torch.int32, device=dev),
+            logits_indices=torch.zeros(1, dtype=torch.long, device=dev),
+        )
+        meta = AttentionMetadata(is_decode=False, slot_mapping=buf["slot_mapping"], block_tables=buf["block_tables"],
+                                 cu_seqlens_q=buf["cu_seqlens_q"], context_lens=buf["context_lens"],
+                                 max_seqlen_q=tokens)
+        return self._capture(("prefill", tokens), buf,
+                             lambda: self.forward(buf["input_ids"], buf["positions"], meta, buf["logits_indices"]))
+
+    def _capture(self, key, buf: dict[str, torch.Tensor], step):
+        """Warm ``step`` up on a side stream, capture it into a graph sharing one memory pool, keep its output."""
+        self.ensure_cache()
+        dev = self.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
@@ -165,7 +225,7 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool()):
             buf["logits"] = step()
-        self._graphs[bucket] = (graph, buf)
+        self._graphs[key] = (graph, buf)
         return graph, buf
 
     def _graph_pool(self):

@@ -105,7 +105,7 @@ class SequenceBatch:
             max_seqlen_q=max(takes),
         )
         last = torch.tensor(cu[1:], dtype=torch.long).to(dev, non_blocking=True) - 1
-        return self.runner.forward(torch.cat(ids), torch.tensor(positions, dtype=torch.long).to(dev), meta, last)
+        return self.runner.prefill(torch.cat(ids), torch.tensor(positions, dtype=torch.long).to(dev), meta, last)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (``tokens: (B,)`` on the device) -> logits ``(B, V)``. No host sync.

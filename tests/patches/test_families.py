@@ -104,3 +104,28 @@ def test_bad_options_raise():
     with pytest.raises(ValueError, match="kv_block_size=12"):
         llmplug.optimize(model, kv_block_size=12)
     assert not llmplug.is_optimized(model)
+
+
+ROPES = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_rope_types_match_stock_hf(rope):
+    import transformers as tf
+
+    from tests.tiny_models import COMMON
+
+    config = tf.LlamaConfig(**{**COMMON, "max_position_embeddings": 64},
+                            rope_parameters={**ROPES[rope], "rope_theta": 10000.0})
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = pad(prompts(2, lengths=(40, 70)))  # past the original context, where scaling matters
+    expected = _generate(model, ids, mask)
+    llmplug.optimize(model, max_model_len=128)
+    with cpu_kernels(False):
+        assert torch.equal(_generate(model, ids, mask), expected)

@@ -17,13 +17,16 @@ def _bench(args) -> int:
     model = args.model or ("llama-1b" if cuda else "tiny-llama")
     dtype = _DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
     results = {"env": report.environment(), "ceilings": timing.ceilings(args.device)}
-    results["e2e"] = e2e.run(model, args.device, dtype, new_tokens=args.new_tokens, static=cuda and not args.no_static,
-                             ttft=not args.quick, batches=(8,) if args.quick else e2e.STATIC_BATCHES,
-                             repeats=args.repeats)
+    quick = args.quick or not cuda
+    results["e2e"] = e2e.run(model, args.device, dtype, new_tokens=args.new_tokens or (256 if cuda else 64),
+                             static=cuda and not args.no_static, ttft=not quick,
+                             batches=(8,) if quick else e2e.STATIC_BATCHES, repeats=args.repeats)
     if args.kernels and cuda:
         results["prefill_attention"] = kernels.prefill()
         results["decode_attention"] = kernels.decode(read_bw=results["ceilings"]["read_bytes_per_s"])
     print("\n".join(report.e2e_table(results["e2e"], results["ceilings"])))
+    if not cuda:
+        print("(CPU: llmplug runs its pure-PyTorch reference path here, for correctness; its speed-ups are on CUDA)")
     if args.out:
         print(f"saved {report.save(results, args.out)}")
     agreement = results["e2e"]["greedy_agreement_32"]
@@ -41,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
                                    " default llama-1b on CUDA, tiny-llama on CPU")
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     b.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on CUDA, fp32 on CPU")
-    b.add_argument("--new-tokens", type=int, default=256)
+    b.add_argument("--new-tokens", type=int, help="default 256 on CUDA, 64 on CPU")
     b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--quick", action="store_true", help="skip TTFT and large static batches")
+    b.add_argument("--quick", action="store_true", help="skip TTFT and large static batches (always on CPU)")
     b.add_argument("--no-static", action="store_true", help="skip the stock static-cache + torch.compile baseline")
     b.add_argument("--kernels", action="store_true", help="also run the attention kernel microbenchmarks (CUDA)")
     b.add_argument("--out", help="write the full results as JSON here")

@@ -74,6 +74,8 @@ def run(model_name: str, device: str, dtype: torch.dtype, *, new_tokens: int = 2
     """Measure batch-1 decode, TTFT, static batches and greedy agreement for stock HF and llmplug on one model."""
     model = build(model_name, dtype, device)
     vocab = model.config.vocab_size
+    context = getattr(model.config, "max_position_embeddings", max(TTFT_PROMPTS) + 1)
+    ttft_prompts = [n for n in TTFT_PROMPTS if n < context]
     res: dict = {"model": model_name, "dtype": str(dtype), "weight_bytes": weight_bytes(model),
                  "new_tokens": new_tokens}
     one = _left_pad(_random_prompts(1, 128, 128, vocab, seed=1), device)
@@ -104,7 +106,7 @@ def run(model_name: str, device: str, dtype: torch.dtype, *, new_tokens: int = 2
     if ttft:
         res["stock_ttft"] = {n: time_call(lambda n=n: stock(**_left_pad(_random_prompts(1, n, n, vocab, 3), device),
                                                                max_new_tokens=1), device, repeats=repeats)
-                             for n in TTFT_PROMPTS}
+                             for n in ttft_prompts}
         step("stock ttft")
     if stock_batches:
         res["stock_batches"] = {b: time_call(lambda b=b: stock(**batches_in[b], **gen), device, repeats=1,
@@ -138,7 +140,7 @@ def run(model_name: str, device: str, dtype: torch.dtype, *, new_tokens: int = 2
     if ttft:
         res["llmplug_ttft"] = {n: time_call(lambda n=n: model.generate(
             **_left_pad(_random_prompts(1, n, n, vocab, 3), device), max_new_tokens=1), device, repeats=repeats)
-            for n in TTFT_PROMPTS}
+            for n in ttft_prompts}
         step("llmplug ttft")
     res["llmplug_batches"] = {b: time_call(lambda b=b: model.generate(**batches_in[b], **gen), device,
                                            repeats=repeats) for b in batches}

@@ -359,7 +359,7 @@ def _decode_attention_op(
         NUM_SPLITS=splits,
         SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        # Interpreter workarounds: its tl.dot mishandles bf16 and it truncates fp32 -> bf16 casts (see ``_rtne``).
+        # Interpreter workarounds: its tl.dot mishandles bf16 and it truncates fp32 -> bf16 casts (see ``round_rne``).
         INTERPRETED=INTERPRET,
         num_warps=num_warps,
         num_stages=num_stages,

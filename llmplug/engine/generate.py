@@ -50,7 +50,8 @@ def _fallback_reason(model, config, kwargs: dict) -> str | None:
         if kwargs.get(name) is not None:
             return name
     extra = sorted(k for k in kwargs if k not in _KNOWN_KWARGS and not hasattr(model.generation_config, k)
-                   and k not in ("inputs", "generation_config", "logits_processor", "stopping_criteria", "streamer"))
+                   and k not in ("inputs", "generation_config", "logits_processor", "stopping_criteria", "streamer",
+                                 "prefix_allowed_tokens_fn"))
     if extra:
         return ", ".join(extra)
     mode = config.get_generation_mode(None)

@@ -53,6 +53,7 @@ def test_sampling_with_seed_matches_stock_and_is_reproducible():
     dict(eos_token_id=[5, 9, 17], max_new_tokens=15),
     dict(min_new_tokens=6, max_new_tokens=9, eos_token_id=[5, 9, 17]),
     dict(max_length=20),
+    dict(prefix_allowed_tokens_fn=lambda batch, ids: [int(ids[-1]) % 50 + 3, 7, 11], max_new_tokens=6),
     dict(num_return_sequences=2, do_sample=True, max_new_tokens=6),
     dict(generation_config=GenerationConfig(max_new_tokens=7, do_sample=False, repetition_penalty=2.0,
                                             pad_token_id=0, eos_token_id=2)),
@@ -60,7 +61,10 @@ def test_sampling_with_seed_matches_stock_and_is_reproducible():
 def test_generation_options_match_stock(kw):
     stock, fast = _pair()
     ids, mask = pad(prompts(3))
-    a, b = _both(stock, fast, seed=3, input_ids=ids, attention_mask=mask, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a, b = _both(stock, fast, seed=3, input_ids=ids, attention_mask=mask, **kw)
+    assert not [w for w in caught if "llmplug" in str(w.message)], "fell back to stock generate"
     assert torch.equal(a, b)
 
 

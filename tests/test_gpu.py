@@ -86,3 +86,16 @@ def test_dynamic_rope_runs_without_graphs():
     llmplug.optimize(model, max_model_len=128)
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=10, do_sample=False), expected)
     assert not model._llmplug_runner._graphs
+
+
+def test_eos_and_max_length_on_the_deferred_stop_path():
+    """Rows finishing on EOS at different steps, every max_new_tokens: same sequences (and shapes) as stock HF."""
+    model = make_model("llama").cuda()
+    ids, mask = (t.cuda() for t in pad(prompts(3)))
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)[:, ids.shape[1]:]
+    eos = [int(free[0, 3]), int(free[1, 5]), int(free[2, 1])]
+    kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, eos_token_id=eos)
+    expected = {n: model.generate(**kw, max_new_tokens=n) for n in range(1, 13)}
+    llmplug.optimize(model)
+    for n, want in expected.items():
+        assert torch.equal(model.generate(**kw, max_new_tokens=n), want), n

@@ -131,19 +131,19 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
             if streamer is not None:
                 streamer.put(next_tokens.cpu())
             unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+            if done_event is not None:
+                done_event.synchronize()
+                if done_host.item():  # every row had finished a step ago: drop this step's extra token
+                    input_ids = input_ids[:, :-1]
+                    scores = scores[:-1] if scores is not None else None
+                    raw_logits = raw_logits[:-1] if raw_logits is not None else None
+                    break
             if input_ids.shape[1] >= generation_config.max_length:
                 break
             if not deferred:
                 if not unfinished.any():
                     break
             else:
-                if done_event is not None:
-                    done_event.synchronize()
-                    if done_host.item():  # every row had finished a step ago: drop this step's extra token
-                        input_ids = input_ids[:, :-1]
-                        scores = scores[:-1] if scores is not None else None
-                        raw_logits = raw_logits[:-1] if raw_logits is not None else None
-                        break
                 done_host.copy_(unfinished.max() == 0, non_blocking=True)
                 done_event = torch.cuda.Event()
                 done_event.record()

@@ -1,4 +1,8 @@
-"""Runs one packed step of the model: prefill eagerly, decode through CUDA graphs captured per batch bucket."""
+"""Runs one packed step of the model on the paged KV pool.
+
+Decode steps replay CUDA graphs captured per batch-size bucket; single-sequence prefill chunks replay graphs captured
+per token bucket; everything else runs eagerly.
+"""
 
 from __future__ import annotations
 
@@ -55,7 +59,13 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.cache: PagedKVCache | None = None
         self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
+        self._pool = None  # one CUDA-graph memory pool shared by every captured graph
         self._hf_configs = self._attention_configs()
+        # HF's dynamic / longrope rotary embeddings read position values on the host: no graph capture then.
+        rope = getattr(text, "rope_parameters", None) or {}
+        kinds = [rope.get("rope_type")] + [v.get("rope_type") for v in rope.values() if isinstance(v, dict)]
+        self._graphs_allowed = (config.cuda_graphs and self.device.type == "cuda"
+                                and not any(k in ("dynamic", "longrope") for k in kinds))
 
     # ---- KV pool -------------------------------------------------------------------------------------------
     @property
@@ -117,19 +127,9 @@ class ModelRunner:
         finally:
             self.meta = None
 
-    def _graphs_on(self) -> bool:
-        return self.config.cuda_graphs and self.device.type == "cuda" and not self._data_dependent_rope
-
-    @property
-    def _data_dependent_rope(self) -> bool:
-        """HF's dynamic / longrope rotary embeddings read position values on the host: no graph capture."""
-        params = getattr(self.model.config.get_text_config(), "rope_parameters", None) or {}
-        kinds = [params.get("rope_type")] + [v.get("rope_type") for v in params.values() if isinstance(v, dict)]
-        return any(k in ("dynamic", "longrope") for k in kinds)
-
     def graph_bucket(self, batch: int) -> int | None:
         """The captured decode batch size a batch of ``batch`` rows runs in, or None (eager)."""
-        if not self._graphs_on():
+        if not self._graphs_allowed:
             return None
         return next((b for b in self.config.graph_batch_sizes if b >= batch), None)
 
@@ -144,7 +144,7 @@ class ModelRunner:
         """
         tokens = input_ids.shape[0]
         bucket = next((t for t in self.config.graph_prefill_tokens if t >= tokens), None)
-        if not self._graphs_on() or bucket is None or meta.block_tables.shape[0] != 1:
+        if not self._graphs_allowed or bucket is None or meta.block_tables.shape[0] != 1:
             return self.forward(input_ids, positions, meta, logits_indices)
         graph, buf = self._graphs.get(("prefill", bucket)) or self._capture_prefill(bucket)
         buf["input_ids"][:tokens].copy_(input_ids)
@@ -229,6 +229,6 @@ class ModelRunner:
         return graph, buf
 
     def _graph_pool(self):
-        if not hasattr(self, "_pool"):
+        if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool

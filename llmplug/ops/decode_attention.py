@@ -24,6 +24,7 @@ import functools
 import torch
 
 from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from .kv_store import check_caches
 
 LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # passed to the kernel as the window when there is none
@@ -425,13 +426,7 @@ def decode_attention(
     """
     if q.dim() != 3:
         raise ValueError(f"q must be (B, H, D), got shape {tuple(q.shape)}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4:
-            raise ValueError(f"{name} must be (num_blocks, P, Hkv, D), got shape {tuple(c.shape)}")
-        if not c.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    check_caches(k_cache, v_cache)
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:

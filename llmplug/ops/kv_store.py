@@ -107,6 +107,38 @@ def _(k, v, k_cache, v_cache, slot_mapping):
     return None
 
 
+def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``k_cache, v_cache`` are both contiguous ``(num_blocks, P, Hkv, D)`` of one shape."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4:
+            raise ValueError(f"{name} must be (num_blocks, P, Hkv, D), got shape {tuple(c.shape)}")
+        if not c.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+
+
+def check_store_inputs(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the bad value unless ``k, v: (T, Hkv, D)`` can be stored at ``slot_mapping``."""
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be (T, Hkv, D), got shape {tuple(t.shape)}")
+    check_caches(k_cache, v_cache)
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
+    if tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+        raise ValueError(
+            f"k (Hkv, D) = {tuple(k.shape[1:])} does not match k_cache (Hkv, D) = {tuple(k_cache.shape[2:])}"
+        )
+    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"dtype mismatch: k {k.dtype}, v {v.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping must be ({k.shape[0]},), got shape {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -120,28 +152,7 @@ def store_kv(
         slot_mapping: ``(T,)`` int64; token ``t`` goes to flat slot ``slot_mapping[t] = block_id * P + offset``.
             Negative slots are skipped (the cache is left untouched there).
     """
-    for name, t in (("k", k), ("v", v)):
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be (T, Hkv, D), got shape {tuple(t.shape)}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4:
-            raise ValueError(f"{name} must be (num_blocks, P, Hkv, D), got shape {tuple(c.shape)}")
-        if not c.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if v.shape != k.shape:
-        raise ValueError(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
-    if tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
-        raise ValueError(
-            f"k (Hkv, D) = {tuple(k.shape[1:])} does not match k_cache (Hkv, D) = {tuple(k_cache.shape[2:])}"
-        )
-    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"dtype mismatch: k {k.dtype}, v {v.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
-        raise ValueError(f"slot_mapping must be ({k.shape[0]},), got shape {tuple(slot_mapping.shape)}")
-    if slot_mapping.dtype != torch.int64:
-        raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:

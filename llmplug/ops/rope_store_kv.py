@@ -1,6 +1,8 @@
-"""RoPE on q/k in place and the new k/v written into the paged cache, in one launch (the fused decode path).
+"""RoPE on q/k in place and the new k/v written into the paged cache, in one launch (the fused families' path).
 
-Equivalent to :func:`llmplug.ops.rope.apply_rope_` followed by :func:`llmplug.ops.kv_store.store_kv`.
+RoPE is HF's ``rotate_half`` style. ``cos, sin: (T, R)`` hold one row per token, as HF's rotary embedding module
+computes them, so every rope type (default, linear, dynamic, yarn, llama3, ...) works unchanged; ``R < head_dim`` is
+partial rotary (dims ``R:`` pass through). The store is :func:`llmplug.ops.kv_store.store_kv`'s.
 """
 
 from __future__ import annotations
@@ -8,8 +10,25 @@ from __future__ import annotations
 import torch
 
 from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
-from .kv_store import store_kv_ref
-from .rope import apply_rope_ref
+from .kv_store import check_store_inputs, store_kv_ref
+
+
+def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    r = cos.shape[-1]
+    rot = x[..., :r].float()
+    rotated = torch.cat((-rot[..., r // 2 :], rot[..., : r // 2]), dim=-1)
+    out = rot * cos.float()[:, None, :] + rotated * sin.float()[:, None, :]
+    return torch.cat((out.to(x.dtype), x[..., r:]), dim=-1)
+
+
+def apply_rope_ref(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE reference. ``q: (T, H, D)``, ``k: (T, Hkv, D)``, ``cos, sin: (T, R)`` -> rotated ``(q, k)``; fp32 math.
+
+    With ``h = R // 2`` and ``i < h``: ``x[i] cos[i] - x[i+h] sin[i]`` and ``x[i+h] cos[i+h] + x[i] sin[i+h]``.
+    """
+    return _rope_ref(q, cos, sin), _rope_ref(k, cos, sin)
 
 
 def rope_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> None:
@@ -92,15 +111,16 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         k_cache, v_cache: ``(num_blocks, P, Hkv, D)`` contiguous, dtype of ``k``.
         slot_mapping: ``(T,)`` int64 flat slot of each token; negative slots are skipped.
     """
-    if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(f"need q (T, H, D), k and v (T, Hkv, D); got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}, caches {k_cache.dtype}")
+    check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
+    if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q must be (T={k.shape[0]}, H, D={k.shape[2]}), got {tuple(q.shape)}")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q.dtype={q.dtype} differs from k.dtype={k.dtype}")
     r = cos.shape[-1]
-    if cos.shape != sin.shape or cos.shape[0] != q.shape[0] or r % 2 or not 0 < r <= q.shape[-1]:
-        raise ValueError(f"cos/sin must be (T, R) with R even and <= {q.shape[-1]}; got {tuple(cos.shape)}")
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (q.shape[0],):
-        raise ValueError(f"slot_mapping must be ({q.shape[0]},) int64, got {tuple(slot_mapping.shape)} "
-                         f"{slot_mapping.dtype}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != q.shape[0]:
+        raise ValueError(f"cos and sin must both be (T={q.shape[0]}, R); got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if r % 2 or not 0 < r <= q.shape[-1]:
+        raise ValueError(f"rotary dim R={r} must be even and in (0, head_dim={q.shape[-1]}]")
+    if any(x.stride(-1) != 1 for x in (q, k, v, cos, sin)):
+        raise ValueError("q, k, v, cos and sin need a unit stride on their last dim")
     call_op(_rope_store_kv_op, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)

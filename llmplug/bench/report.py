@@ -20,9 +20,10 @@ def environment() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
+    try:  # None where there is no git history (the device tool's copy of the tree): record the commit by hand
+        done = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent)
+        commit = done.stdout.strip() if done.returncode == 0 else None
     except OSError:
         commit = None
     return {

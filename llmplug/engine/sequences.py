@@ -44,15 +44,22 @@ class SequenceBatch:
         self.block_table_dev = self.block_table.to(self.device)
 
     # ---- pages ---------------------------------------------------------------------------------------------
-    def _grow(self, row: int, num_tokens: int) -> None:
-        seq = self.blocks[row]
-        old = len(seq.blocks)
-        if seq.ensure(num_tokens):
-            new = torch.tensor(seq.blocks[old:], dtype=torch.int32)
-            self.block_table[row, old:old + len(new)] = new
-            if self.device.type == "cuda":
-                new = new.pin_memory()  # a truly asynchronous copy: the host never waits for the GPU here
-            self.block_table_dev[row, old:old + len(new)].copy_(new, non_blocking=True)
+    def _grow(self, rows, num_tokens) -> None:
+        """Give row ``rows[i]`` room for ``num_tokens[i]`` tokens; all new page ids reach the device in one copy.
+
+        The copy's source is a fresh pinned snapshot of the table, so it is truly asynchronous and a later host-side
+        edit can never race it.
+        """
+        grown = False
+        for row, n in zip(rows, num_tokens):
+            seq = self.blocks[row]
+            old = len(seq.blocks)
+            if seq.ensure(n):
+                self.block_table[row, old:len(seq.blocks)] = torch.tensor(seq.blocks[old:], dtype=torch.int32)
+                grown = True
+        if grown:
+            src = self.block_table.pin_memory() if self.device.type == "cuda" else self.block_table.clone()
+            self.block_table_dev.copy_(src, non_blocking=True)
 
     def _slot(self, row: int, pos: int) -> int:
         return self.blocks[row].blocks[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -89,8 +96,8 @@ class SequenceBatch:
 
     def _prefill_chunk(self, rows: list[int], starts: list[int], takes: list[int]) -> torch.Tensor:
         ids, positions, slots, cu = [], [], [], [0]
+        self._grow(rows, [s + n for s, n in zip(starts, takes)])
         for r, s, n in zip(rows, starts, takes):
-            self._grow(r, s + n)
             ids.append(self.prompts[r][s:s + n])
             positions.extend(range(s, s + n))
             slots.extend(self._slot(r, p) for p in range(s, s + n))
@@ -113,9 +120,8 @@ class SequenceBatch:
         Every row advances, finished ones too (their tokens are padding), as in HF's loop; pages are added on the
         host as rows cross page boundaries, positions advance on the device.
         """
-        for r in range(len(self.prompts)):
-            self._grow(r, self.lengths[r] + 1)
-            self.lengths[r] += 1
+        self.lengths = [n + 1 for n in self.lengths]
+        self._grow(range(len(self.prompts)), self.lengths)
         out = self.runner.decode(tokens, self.positions, self.block_table_dev)
         self.positions += 1
         return out

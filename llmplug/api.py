@@ -14,16 +14,12 @@ from .patches.decoder import FusedDecoder
 from .patches.registry import check_supported, family_of
 from .patches.undo import UndoLog
 
-_STATE_ATTR = "_llmplug_state"
-
-
-class _State:
-    def __init__(self, config: OptimizeConfig, runner: ModelRunner, log: UndoLog) -> None:
-        self.config, self.runner, self.log = config, runner, log
+_RUNNER_ATTR = "_llmplug_runner"  # what generate runs on
+_UNDO_ATTR = "_llmplug_undo"  # how unoptimize reverts
 
 
 def is_optimized(model: torch.nn.Module) -> bool:
-    return _STATE_ATTR in model.__dict__
+    return _UNDO_ATTR in model.__dict__
 
 
 def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **overrides) -> torch.nn.Module:
@@ -38,8 +34,7 @@ def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **ove
     """
     config = OptimizeConfig.from_overrides(config, **overrides)
     if is_optimized(model):
-        state = model.__dict__[_STATE_ATTR]
-        if state.config != config:
+        if model.__dict__[_RUNNER_ATTR].config != config:
             raise ValueError("model is already optimized with a different config; call llmplug.unoptimize first")
         return model
     check_supported(model)
@@ -50,16 +45,16 @@ def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **ove
     for module in model.modules():
         if hasattr(module, "layer_idx"):
             log.set_attr(module, RUNTIME_ATTR, runner)
-    log.set_attr(model, "_llmplug_runner", runner)
+    log.set_attr(model, _RUNNER_ATTR, runner)
     log.set_attr(model, "generate", types.MethodType(llmplug_generate, model))
     log.record(runner.release)
-    log.set_attr(model, _STATE_ATTR, _State(config, runner, log))
+    log.set_attr(model, _UNDO_ATTR, log)
     return model
 
 
 def unoptimize(model: torch.nn.Module) -> torch.nn.Module:
     """Revert everything :func:`optimize` did (weights layout, methods, attributes) and free the KV pool."""
-    state = model.__dict__.get(_STATE_ATTR)
-    if state is not None:
-        state.log.undo_all()
+    log = model.__dict__.get(_UNDO_ATTR)
+    if log is not None:
+        log.undo_all()
     return model

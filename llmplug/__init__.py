@@ -3,11 +3,18 @@
     model = llmplug.optimize(model)
     out = model.generate(**inputs, max_new_tokens=256)
     llmplug.unoptimize(model)
+
+    engine = llmplug.Engine(model, tokenizer=tokenizer)        # continuous batching
+    outputs = engine.generate(prompts, llmplug.SamplingParams(max_new_tokens=128))
 """
 
 from .api import is_optimized, optimize, unoptimize
 from .config import OptimizeConfig
+from .engine.engine import Engine
+from .engine.params import EngineConfig, SamplingParams
+from .engine.request import CompletionOutput, RequestOutput, StreamDelta
 from .errors import KVCacheFullError, UnsupportedModelError
 
-__all__ = ["KVCacheFullError", "OptimizeConfig", "UnsupportedModelError", "is_optimized", "optimize", "unoptimize"]
+__all__ = ["CompletionOutput", "Engine", "EngineConfig", "KVCacheFullError", "OptimizeConfig", "RequestOutput",
+           "SamplingParams", "StreamDelta", "UnsupportedModelError", "is_optimized", "optimize", "unoptimize"]
 __version__ = "0.1.0"

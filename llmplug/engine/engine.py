@@ -1,0 +1,450 @@
+"""``llmplug.Engine``: continuous batching over an optimized HF model.
+
+Requests are added at any time (from any thread); each :meth:`Engine.step` asks the scheduler for the next batch,
+runs it through the model runner (decode-only steps replay CUDA graphs), samples every finished row with its own
+parameters and hands back what finished. :meth:`Engine.start` runs steps on a background thread instead, for
+streaming, asyncio and concurrent submission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from ..kv.prefix_cache import ROOT, BlockManager
+from ..kv.swap import SwapSpace
+from .metrics import EngineMetrics
+from .params import EngineConfig, SamplingParams
+from .request import CompletionOutput, Request, RequestOutput, Sequence, Status, StreamDelta
+from .sampler import sample
+from .scheduler import Scheduler, StepPlan
+from .step_inputs import decode_inputs, prefill_inputs
+
+Prompt = str | list[int]
+
+
+class Engine:
+    """Continuous-batching generation on one model (optimized in place with llmplug if it is not already).
+
+    Args:
+        model: a decoder-only HF causal LM on its device and dtype.
+        config: an :class:`EngineConfig` (scheduling, preemption, prefix caching).
+        tokenizer: lets requests be text and outputs carry text; needed for ``stop`` strings.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, tokenizer=None) -> None:
+        from ..api import is_optimized, optimize
+
+        if not is_optimized(model):
+            optimize(model)
+        self.model = model
+        self.config = config or EngineConfig()
+        if not isinstance(self.config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(self.config).__name__}")
+        self.tokenizer = tokenizer
+        self.runner = model._llmplug_runner
+        self.cache = self.runner.ensure_cache()
+        self.block_size = self.cache.block_size
+        self.blocks = BlockManager(self.cache.allocator, self.block_size, self.config.enable_prefix_caching)
+        swap = None
+        if self.config.preemption_mode == "swap":
+            swap = SwapSpace.sized(self.cache, self.config.swap_space_gb)
+        self.scheduler = Scheduler(self.config, self.blocks, swap)
+        self.metrics = EngineMetrics(self.config)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        gen = model.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else model.config.get_text_config().eos_token_id
+        self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self._requests: dict[str, Request] = {}  # every request not yet done
+        self._inbox: list[Request] = []  # added, not yet seen by the scheduler
+        self._aborts: list[str] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._counter = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._loop_error: BaseException | None = None
+
+    # ---- submission --------------------------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    on_event: Callable[[StreamDelta | RequestOutput], None] | None = None) -> str:
+        """Queue a request (thread-safe); returns its id.
+
+        Args:
+            prompt: token ids, or text when the engine has a tokenizer.
+            params: :class:`SamplingParams` (defaults when None).
+            request_id: a unique id; generated when None.
+            on_event: called on the engine's thread with every :class:`StreamDelta` and the final
+                :class:`RequestOutput`.
+
+        Raises:
+            ValueError: empty or over-long prompt, unknown token ids, text without a tokenizer, a duplicate id.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: Engine(model, tokenizer=...) or pass token ids")
+            text, prompt = prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = [int(t) for t in prompt]
+        self._check_prompt(ids, params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r} needs a tokenizer: Engine(model, tokenizer=...)")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        with self._lock:
+            order = next(self._counter)
+            rid = f"req_{order}" if request_id is None else str(request_id)
+            if rid in self._requests:
+                raise ValueError(f"request_id={rid!r} is already in use by a running request")
+            request = Request(rid, ids, params, prompt=text, order=order, stop_ids=stop_ids, on_event=on_event)
+            self._requests[rid] = request
+            self._inbox.append(request)
+        self._wake.set()
+        return rid
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("empty prompt: a request needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        total = len(ids) + params.max_new_tokens
+        if total > self.runner.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
+                             f"max_model_len={self.runner.max_model_len}")
+        capacity = self.blocks.num_total * self.block_size
+        if total > capacity:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} exceeds the whole "
+                             f"KV pool ({capacity} tokens); give llmplug a bigger pool (kv_memory_fraction=...)")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (thread-safe); its output so far is delivered with finish reason ``"abort"``."""
+        with self._lock:
+            if request_id not in self._requests:
+                raise KeyError(f"unknown or finished request_id={request_id!r}")
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._requests)
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the outputs of the requests that finished in it."""
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise RuntimeError("the engine's background loop is running: submit requests instead of calling step()")
+        finished: list[RequestOutput] = []
+        self._take_inbox(finished)
+        plan = self.scheduler.schedule()
+        self.metrics.on_schedule(plan, self.blocks)
+        if not plan.seqs:
+            return finished
+        try:
+            logits, rows = self._execute(plan)
+            for seq, n in zip(plan.seqs, plan.num_new):
+                self._computed(seq, n)
+            seqs = [plan.seqs[i] for i in rows]
+            forks = self._fork(seqs)
+            picks = list(range(len(seqs))) + [seqs.index(parent) for parent, _ in forks]
+            seqs += [child for _, child in forks]
+            index = torch.tensor(picks, device=logits.device)
+            tokens = sample(logits[index], seqs).tolist()
+        except Exception as error:  # a failed step fails its requests; the engine keeps serving the others
+            self.blocks.reset_cache()
+            for seq in plan.seqs:
+                self._fail(seq.request, error, finished)
+            return finished
+        now = time.perf_counter()
+        for seq, token in zip(seqs, tokens):
+            self._append(seq, token, now, finished)
+        self.metrics.on_step(plan, len(tokens), now)
+        return finished
+
+    def _execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
+        """Copies, swap-ins and the forward -> ``(logits (R, V), rows)``: ``rows`` index the sampled sequences."""
+        if plan.copies:
+            src = torch.tensor([s for s, _ in plan.copies], device=self.cache.k.device)
+            dst = torch.tensor([d for _, d in plan.copies], device=self.cache.k.device)
+            self.cache.k[:, dst] = self.cache.k[:, src]
+            self.cache.v[:, dst] = self.cache.v[:, src]
+        for slots, blocks in plan.swap_in:
+            self.scheduler.swap.swap_in(slots, blocks)
+        device = self.runner.device
+        if plan.is_decode:
+            ids, positions, tables = decode_inputs(plan.seqs, device)
+            logits = self.runner.decode(ids, positions, tables)
+        else:
+            ids, positions, meta, last = prefill_inputs(plan.seqs, plan.num_new, self.block_size, device)
+            logits = self.runner.prefill(ids, positions, meta, last)
+        rows = [i for i, (s, n) in enumerate(zip(plan.seqs, plan.num_new)) if s.num_computed + n == s.num_tokens]
+        if len(rows) < len(plan.seqs):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return logits, rows
+
+    def _fork(self, seqs: list[Sequence]) -> list[tuple[Sequence, Sequence]]:
+        """Siblings for each request with ``n > 1`` about to sample its first token; they share its blocks."""
+        forks = []
+        for seq in seqs:
+            request = seq.request
+            if request.params.n > 1 and len(request.seqs) == 1 and seq.num_tokens == seq.prompt_len:
+                for i in range(1, request.params.n):
+                    child = seq.fork(i)
+                    self.blocks.hold(child.blocks)
+                    self.scheduler.add_running(child)
+                    request.seqs.append(child)
+                    forks.append((seq, child))
+        return forks
+
+    def _computed(self, seq: Sequence, n: int) -> None:
+        """``n`` more tokens of ``seq`` have KV now; cache the blocks they filled."""
+        seq.num_computed += n
+        P = self.block_size
+        for j in range(len(seq.entry_ids), seq.num_computed // P):
+            parent = seq.entry_ids[-1] if seq.entry_ids else ROOT
+            seq.entry_ids.append(self.blocks.register(seq.blocks[j], parent, seq.tokens[j * P:(j + 1) * P]))
+
+    def _append(self, seq: Sequence, token: int, now: float, finished: list[RequestOutput]) -> None:
+        seq.tokens.append(token)
+        seq.token_times.append(now)
+        params = seq.request.params
+        reason = None
+        if token in seq.request.stop_ids:
+            reason = "stop"
+        elif len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= self.runner.max_model_len:
+            reason = "length"
+        if params.stop or seq.request.on_event is not None:
+            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True) if self.tokenizer else None
+            cut = self._find_stop(seq) if params.stop else None
+            if cut is not None:
+                seq.text, reason = seq.text[:cut], "stop"
+        if reason is not None:
+            self._finish(seq, reason, finished)
+        elif seq.request.on_event is not None:
+            self._emit_delta(seq)
+
+    def _find_stop(self, seq: Sequence) -> int | None:
+        """Character offset of the first stop string in ``seq.text``, or None."""
+        hits = [seq.text.find(s) for s in seq.request.params.stop]
+        hits = [h for h in hits if h >= 0]
+        return min(hits) if hits else None
+
+    # ---- finishing and delivery ----------------------------------------------------------------------------------
+    def _finish(self, seq: Sequence, reason: str, finished: list[RequestOutput]) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        request = seq.request
+        if request.on_event is not None:
+            self._emit_delta(seq)
+        if len(request.seqs) == request.params.n and all(s.status is Status.FINISHED for s in request.seqs):
+            self._close(request, finished)
+
+    def _close(self, request: Request, finished: list[RequestOutput]) -> None:
+        request.done = True
+        request.finish_time = time.perf_counter()
+        with self._lock:
+            self._requests.pop(request.request_id, None)
+        output = self.output_of(request)
+        self.metrics.on_finish(output)
+        finished.append(output)
+        if request.on_event is not None:
+            request.on_event(output)
+
+    def _fail(self, request: Request, error: BaseException, finished: list[RequestOutput]) -> None:
+        if request.done:
+            return
+        request.error = f"{type(error).__name__}: {error}"
+        for seq in request.seqs:
+            if seq.status is not Status.FINISHED:
+                seq.finish_reason = "error"
+                self.scheduler.remove(seq)
+        self._close(request, finished)
+
+    def _take_inbox(self, finished: list[RequestOutput]) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for request in inbox:
+            self.scheduler.add(request.seqs[0])
+        for rid in aborts:
+            request = self._requests.get(rid)
+            if request is None or request.done:
+                continue
+            for seq in request.seqs:
+                if seq.status is not Status.FINISHED:
+                    seq.finish_reason = "abort"
+                    self.scheduler.remove(seq)
+            self._close(request, finished)
+
+    def _emit_delta(self, seq: Sequence) -> None:
+        new_ids = seq.output_ids[seq.sent_tokens:]
+        text = None
+        if seq.text is not None:
+            # hold back a trailing partial UTF-8 character; it is completed by a later token
+            ready = seq.text if seq.finish_reason else seq.text.rstrip("\ufffd")
+            text, seq.sent_chars = ready[seq.sent_chars:], len(ready)
+        seq.sent_tokens = len(seq.output_ids)
+        seq.request.on_event(StreamDelta(seq.request.request_id, seq.index, new_ids, text,
+                                         seq.finish_reason is not None, seq.finish_reason))
+
+    def output_of(self, request: Request) -> RequestOutput:
+        """The :class:`RequestOutput` of ``request`` as it stands."""
+        outs = []
+        for seq in request.seqs:
+            text = None
+            if self.tokenizer is not None:
+                text = seq.text if (request.params.stop or request.on_event) else \
+                    self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            outs.append(CompletionOutput(seq.index, list(seq.output_ids), text, seq.finish_reason,
+                                         list(seq.token_times)))
+        firsts = [s.token_times[0] for s in request.seqs if s.token_times]
+        return RequestOutput(request.request_id, list(request.prompt_ids), request.prompt, outs, request.done,
+                             request.arrival_time, min(firsts) if firsts else None, request.finish_time,
+                             request.error)
+
+    # ---- batch APIs ------------------------------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = True) -> list[RequestOutput]:
+        """Run ``prompts`` to completion (with a progress bar); outputs in prompt order.
+
+        A single prompt (text or a flat list of ids) is one request. ``params`` is one for all or one per prompt.
+        """
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
+        done: dict[str, RequestOutput] = {}
+        event = threading.Event()
+        bar = tqdm(total=len(prompts), desc="llmplug generate", unit="req", disable=not progress)
+
+        def collect(item):
+            if isinstance(item, RequestOutput):
+                done[item.request_id] = item
+                bar.update(1)
+                if len(done) == len(ids):
+                    event.set()
+
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.add_request(prompt, p, on_event=collect))
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        with bar:
+            if self._thread is None:
+                while len(done) < len(ids):
+                    self.step()
+            else:
+                event.wait()
+        return [done[rid] for rid in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[StreamDelta]:
+        """Yield :class:`StreamDelta` s of one request as its tokens arrive (drives steps itself without a loop)."""
+        events: queue.Queue = queue.Queue()
+        rid = self.add_request(prompt, params, request_id, on_event=events.put)
+        closed = False
+        while not closed:
+            if self._thread is None:
+                while events.empty():
+                    self.step()
+            item = events.get()
+            self._raise_loop_error()
+            if isinstance(item, RequestOutput):
+                closed = True
+            else:
+                yield item
+        del rid
+
+    # ---- background loop and asyncio ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run steps on a background thread until :meth:`stop`; submission stays thread-safe."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="llmplug-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the background loop after its current step (requests left stay queued)."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        thread.join(timeout)
+        self._thread = None
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                if not self.scheduler.has_work() and not self._inbox and not self._aborts:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                self.step()
+        except BaseException as error:  # noqa: BLE001 - surfaced to every waiter
+            self._loop_error = error
+            with self._lock:
+                pending = list(self._requests.values())
+            for request in pending:
+                self._fail(request, error, [])
+
+    def _raise_loop_error(self) -> None:
+        if self._loop_error is not None:
+            raise RuntimeError("the engine's background loop failed") from self._loop_error
+
+    async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None,
+                        request_id: str | None = None) -> RequestOutput:
+        """Await one request's final output (starts the background loop if needed)."""
+        async for item in self._aevents(prompt, params, request_id):
+            if isinstance(item, RequestOutput):
+                return item
+        raise RuntimeError("request ended without an output")
+
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None,
+                      request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Async iterator of one request's :class:`StreamDelta` s (starts the background loop if needed)."""
+        async for item in self._aevents(prompt, params, request_id):
+            if isinstance(item, StreamDelta):
+                yield item
+
+    async def _aevents(self, prompt, params, request_id):
+        self.start()
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        rid = self.add_request(prompt, params, request_id,
+                               on_event=lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        try:
+            while True:
+                item = await events.get()
+                yield item
+                if isinstance(item, RequestOutput):
+                    return
+        except asyncio.CancelledError:
+            if self.has_unfinished_requests():
+                try:
+                    self.abort(rid)
+                except KeyError:
+                    pass
+            raise
+
+    def stats(self) -> dict:
+        """Latency percentiles, throughput, goodput, KV use, prefix hits and preemptions so far."""
+        return self.metrics.summary(self.blocks, self.scheduler.num_preemptions)

@@ -1,0 +1,130 @@
+"""``SamplingParams`` (per request) and ``EngineConfig`` (per engine), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["EngineConfig", "SamplingParams"]
+
+_POLICIES = ("fcfs", "priority")
+_PREEMPTION = ("recompute", "swap")
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. ``temperature == 0`` (or ``do_sample=False``) is greedy.
+
+    Attributes:
+        max_new_tokens: tokens to generate at most.
+        min_new_tokens: stop tokens are masked out until this many tokens were generated.
+        temperature, top_k (0: off), top_p (1.0: off), min_p (0.0: off): sampling, applied in that order.
+        repetition_penalty: HF's multiplicative penalty over prompt and output tokens (1.0: off).
+        frequency_penalty, presence_penalty: OpenAI-style additive penalties over output tokens (0.0: off).
+        seed: makes this request's samples reproducible whatever else runs in the batch.
+        stop_token_ids: tokens that end the request (kept in the output); the engine adds the model's eos ids
+            unless ``ignore_eos``.
+        stop: strings that end the request (needs a tokenizer); the output text is cut before them.
+        ignore_eos: generate ``max_new_tokens`` whatever the model emits.
+        n: samples per prompt; they share the prompt's KV blocks.
+        priority: lower runs first under the ``"priority"`` policy.
+    """
+
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    do_sample: bool = True
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default=())
+    stop: tuple[str, ...] = field(default=())
+    ignore_eos: bool = False
+    n: int = 1
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+               f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
+        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+               f"min_new_tokens={self.min_new_tokens!r} must be an int in [0, max_new_tokens={self.max_new_tokens}]")
+        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+               f"temperature={self.temperature!r} must be a number >= 0 (0: greedy)")
+        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k={self.top_k!r} must be an int >= 0 (0: off)")
+        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, f"top_p={self.top_p!r} must be in (0, 1]")
+        _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p < 1, f"min_p={self.min_p!r} must be in [0, 1)")
+        _check(isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0,
+               f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1.0: off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and -2 <= value <= 2, f"{name}={value!r} must be in [-2, 2]")
+        _check(self.seed is None or _is_int(self.seed), f"seed={self.seed!r} must be an int or None")
+        ids = (self.stop_token_ids,) if _is_int(self.stop_token_ids) else self.stop_token_ids
+        _check(all(_is_int(t) and t >= 0 for t in ids), f"stop_token_ids={self.stop_token_ids!r} must be ints >= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        _check(all(isinstance(s, str) and s for s in stop), f"stop={self.stop!r} must be non-empty strings")
+        object.__setattr__(self, "stop", stop)
+        _check(_is_int(self.n) and self.n >= 1, f"n={self.n!r} must be an int >= 1")
+        _check(_is_int(self.priority), f"priority={self.priority!r} must be an int")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduling and memory settings of an :class:`llmplug.Engine`.
+
+    Attributes:
+        max_num_seqs: sequences running at once at most.
+        max_num_batched_tokens: tokens per step (decodes first, then prefill chunks fill the rest).
+        policy: ``"fcfs"`` (arrival order) or ``"priority"`` (``SamplingParams.priority``, then arrival).
+        watermark: share of KV blocks a new request must leave free when admitted (room for running decodes).
+        preemption_mode: when blocks run out, ``"recompute"`` drops a victim's KV and prefills it again later;
+            ``"swap"`` copies it to pinned CPU memory and back.
+        swap_space_gb: CPU memory for swapped-out KV blocks.
+        enable_prefix_caching: share full KV blocks of equal prefixes between requests.
+        slo_ttft_s, slo_tpot_s: latency targets that ``stats()`` counts goodput against.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    policy: str = "fcfs"
+    watermark: float = 0.01
+    preemption_mode: str = "recompute"
+    swap_space_gb: float = 4.0
+    enable_prefix_caching: bool = True
+    slo_ttft_s: float = 1.0
+    slo_tpot_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+               f"max_num_seqs={self.max_num_seqs!r} must be an int >= 1")
+        _check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 16,
+               f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an int >= 16")
+        _check(self.policy in _POLICIES, f"policy={self.policy!r} is not one of {_POLICIES}")
+        _check(isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 0.5,
+               f"watermark={self.watermark!r} must be in [0, 0.5)")
+        _check(self.preemption_mode in _PREEMPTION,
+               f"preemption_mode={self.preemption_mode!r} is not one of {_PREEMPTION}")
+        _check(isinstance(self.swap_space_gb, (int, float)) and self.swap_space_gb >= 0,
+               f"swap_space_gb={self.swap_space_gb!r} must be >= 0")
+        _check(isinstance(self.enable_prefix_caching, bool),
+               f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
+        for name in ("slo_ttft_s", "slo_tpot_s"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and value > 0, f"{name}={value!r} must be > 0")

@@ -1,0 +1,133 @@
+"""Requests and their sequences inside the engine, and what the engine hands back for them."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted by recompute (its KV is gone)
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted, its KV in CPU swap space
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One sample of a request: ``tokens`` = prompt + output; the first ``num_computed`` have KV in ``blocks``."""
+
+    def __init__(self, request: Request, index: int, tokens: list[int]) -> None:
+        self.request = request
+        self.index = index
+        self.tokens = tokens
+        self.prompt_len = request.prompt_len
+        self.num_computed = 0
+        self.blocks: list[int] = []
+        self.entry_ids: list[int] = []  # prefix-cache entry id of each registered full block, in order
+        self.swap_slots: list[int] = []
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.token_times: list[float] = []
+        self.text = ""  # decoded output so far (when the engine has a tokenizer)
+        self.sent_tokens = 0  # tokens and characters already streamed
+        self.sent_chars = 0
+        seed = request.params.seed
+        self.seed = None if seed is None else seed + index  # each sample of a seeded request has its own stream
+        self.generator: torch.Generator | None = None  # made on the logits' device at the first sample
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def sort_key(self) -> tuple:
+        return self.request.sort_key
+
+    def fork(self, index: int) -> Sequence:
+        """A sibling sharing this sequence's computed prefix (the caller holds the shared blocks once more)."""
+        child = Sequence(self.request, index, list(self.tokens))
+        child.num_computed = self.num_computed
+        child.blocks = list(self.blocks)
+        child.entry_ids = list(self.entry_ids)
+        return child
+
+
+@dataclass
+class Request:
+    """A prompt, its sampling parameters and its ``n`` sequences (one until the prompt is prefilled)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    order: int = 0  # arrival order, ties broken by submission
+    seqs: list[Sequence] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()
+    error: str | None = None
+    done: bool = False  # every sample finished, or the request was aborted or failed
+    finish_time: float | None = None
+    on_event: Callable | None = None  # gets every StreamDelta and the final RequestOutput (engine thread)
+
+    def __post_init__(self) -> None:
+        self.seqs = [Sequence(self, 0, list(self.prompt_ids))]
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def sort_key(self) -> tuple:
+        return (self.params.priority, self.order)
+
+
+@dataclass
+class CompletionOutput:
+    """One sample: ``token_ids`` generated so far, its text (with a tokenizer), why it stopped, token times."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None  # "stop" (stop token or string), "length", "abort", "error" or None while running
+    token_times: list[float]
+
+
+@dataclass
+class RequestOutput:
+    """What :meth:`Engine.generate` returns per prompt, and :meth:`Engine.step` per request that moved.
+
+    Times are ``time.perf_counter()`` seconds: ``arrival_time``, ``first_token_time`` (None before the first token)
+    and ``finish_time`` (None while running); every token's time is in its completion's ``token_times``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    error: str | None = None
+
+
+@dataclass
+class StreamDelta:
+    """New tokens of one sample since the last delta: ``token_ids`` and their ``text`` (with a tokenizer)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: str | None

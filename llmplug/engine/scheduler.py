@@ -1,0 +1,201 @@
+"""Iteration-level scheduling: which sequences run how many tokens in the next step.
+
+Every sequence has ``tokens`` and ``num_computed`` (tokens whose KV is cached); a step gives each scheduled sequence
+a run of its uncomputed tokens. Decodes (one token left) come first, then running prefills continue, then swapped
+sequences return, then waiting requests are admitted; prefills are chunked to fit the step's token budget, so a
+long prompt never stalls running decodes. When blocks run out the last sequence in policy order is preempted.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from ..kv.prefix_cache import BlockManager
+from ..kv.swap import SwapSpace
+from .params import EngineConfig
+from .request import Sequence, Status
+
+
+@dataclass
+class StepPlan:
+    """One step: ``seqs[i]`` computes ``num_new[i]`` tokens from position ``seqs[i].num_computed``.
+
+    ``copies`` are (src, dst) block copies (copy-on-write) and ``swap_in`` (cpu slots, blocks) copies to do before the
+    forward; ``preempted`` lists sequences preempted while planning.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 and s.num_computed == s.num_tokens - 1 for s, n in zip(self.seqs, self.num_new))
+
+
+class Scheduler:
+    """Queues of waiting, running and swapped sequences over one :class:`BlockManager`."""
+
+    def __init__(self, config: EngineConfig, blocks: BlockManager, swap: SwapSpace | None = None) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.swap = swap
+        self.block_size = blocks.block_size
+        self.waiting: list[Sequence] = []  # kept sorted by sort_key
+        self.running: list[Sequence] = []  # kept sorted by sort_key
+        self.swapped: list[Sequence] = []  # kept sorted by sort_key
+        self.num_preemptions = 0
+
+    # ---- queues ----------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of whichever queue holds it and give back its blocks (finish or abort)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        self._drop_kv(seq)
+        seq.status = Status.FINISHED
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (it holds its blocks already)."""
+        seq.status = Status.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        if seq.blocks:
+            self.blocks.free(seq.blocks)
+        if seq.swap_slots:
+            self.swap.allocator.free(seq.swap_slots)
+        seq.blocks, seq.swap_slots, seq.entry_ids = [], [], []
+        seq.num_computed = 0
+
+    # ---- planning --------------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        prefills = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted for an earlier sequence
+                continue
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if self._reserve(seq, n, plan):
+                plan.seqs.append(seq)
+                plan.num_new.append(n)
+                budget -= n
+        if not plan.preempted:
+            budget = self._swap_in(plan, budget)
+        if not plan.preempted and not self.swapped:
+            self._admit(plan, budget)
+        return plan
+
+    def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
+        """Blocks for ``seq``'s next ``n`` tokens (copy-on-write of a shared last block), preempting later sequences
+        while too few are free; False if ``seq`` itself had to be preempted."""
+        while True:
+            need = self._blocks_needed(seq, n)
+            if need <= self.blocks.num_free:
+                break
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        self._copy_on_write(seq, plan)
+        self._grow(seq, n)
+        return True
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        P = self.block_size
+        grow = -(-(seq.num_computed + n) // P) - len(seq.blocks)
+        cow = seq.num_computed % P != 0 and self.blocks.is_shared(seq.blocks[seq.num_computed // P])
+        return max(grow, 0) + int(cow)
+
+    def _copy_on_write(self, seq: Sequence, plan: StepPlan) -> None:
+        P = self.block_size
+        if seq.num_computed % P == 0:
+            return
+        i = seq.num_computed // P
+        old = seq.blocks[i]
+        if self.blocks.is_shared(old):
+            seq.blocks[i] = self.blocks.copy_on_write(old)
+            plan.copies.append((old, seq.blocks[i]))
+
+    def _grow(self, seq: Sequence, n: int) -> None:
+        need = -(-(seq.num_computed + n) // self.block_size) - len(seq.blocks)
+        if need > 0:
+            seq.blocks.extend(self.blocks.allocate(need))
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        self.num_preemptions += 1
+        plan.preempted.append(seq)
+        if seq in plan.seqs:  # planned earlier in this step: unplan it and its copy-on-write
+            i = plan.seqs.index(seq)
+            del plan.seqs[i], plan.num_new[i]
+            plan.copies = [(src, dst) for src, dst in plan.copies if dst not in seq.blocks]
+        computed = seq.num_computed
+        if self.config.preemption_mode == "swap" and self.swap is not None \
+                and self.swap.allocator.num_free >= -(-computed // self.block_size):
+            used = seq.blocks[:-(-computed // self.block_size)]
+            seq.swap_slots = self.swap.swap_out(used)
+            self.blocks.free(seq.blocks)
+            seq.blocks = []
+            seq.status = Status.SWAPPED
+            bisect.insort(self.swapped, seq, key=lambda s: s.sort_key)
+        else:  # recompute: the full blocks stay in the prefix cache, so the rerun may find them
+            self._drop_kv(seq)
+            self.add(seq)
+
+    def _swap_in(self, plan: StepPlan, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            need = -(-(seq.num_computed + n) // self.block_size)
+            if need > self.blocks.num_free - self._watermark():
+                break
+            self.swapped.pop(0)
+            seq.blocks = self.blocks.allocate(need)
+            plan.swap_in.append((seq.swap_slots, seq.blocks[:len(seq.swap_slots)]))
+            seq.swap_slots = []
+            self.add_running(seq)
+            plan.seqs.append(seq)
+            plan.num_new.append(n)
+            budget -= n
+        return budget
+
+    def _watermark(self) -> int:
+        return int(self.config.watermark * self.blocks.num_total)
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_computed == 0:
+                seq.blocks, seq.entry_ids = self.blocks.match(seq.tokens)
+                seq.num_computed = len(seq.blocks) * self.block_size
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            need = -(-(seq.num_computed + n) // self.block_size) - len(seq.blocks)
+            reserve = self._watermark() if self.running else 0  # alone, a request may use the whole pool
+            if need > self.blocks.num_free - reserve:
+                self._drop_kv(seq)
+                break
+            self.waiting.pop(0)
+            seq.blocks.extend(self.blocks.allocate(need))
+            self.add_running(seq)
+            plan.seqs.append(seq)
+            plan.num_new.append(n)
+            budget -= n

@@ -9,6 +9,7 @@ import torch
 from .config import OptimizeConfig
 from .engine.attention import RUNTIME_ATTR
 from .engine.generate import llmplug_generate
+from .engine.hf_batching import install as install_hf_batching
 from .engine.runner import ModelRunner, hf_forward
 from .patches.decoder import FusedDecoder
 from .patches.registry import check_supported, family_of
@@ -47,6 +48,7 @@ def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **ove
             log.set_attr(module, RUNTIME_ATTR, runner)
     log.set_attr(model, _RUNNER_ATTR, runner)
     log.set_attr(model, "generate", types.MethodType(llmplug_generate, model))
+    install_hf_batching(model, log)  # generate_batch / init_continuous_batching on llmplug's Engine
     log.record(runner.release)
     log.set_attr(model, _UNDO_ATTR, log)
     return model

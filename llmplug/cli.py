@@ -1,4 +1,5 @@
-"""``llmplug`` command line: ``llmplug bench`` compares stock HF and llmplug side by side."""
+"""``llmplug`` command line: ``llmplug bench`` compares stock HF and llmplug side by side; ``llmplug bench
+throughput`` runs the serving benchmark of ``llmplug.Engine``."""
 
 from __future__ import annotations
 
@@ -50,7 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-static", action="store_true", help="skip the stock static-cache + torch.compile baseline")
     b.add_argument("--kernels", action="store_true", help="also run the attention kernel microbenchmarks (CUDA)")
     b.add_argument("--out", help="write the full results as JSON here")
+    bench_sub = b.add_subparsers(dest="bench_command")
+    t = bench_sub.add_parser("throughput", help="serving benchmark of llmplug.Engine (workloads a-e, stock HF on a)")
+    from .bench import throughput
+
+    throughput.add_arguments(t)
     args = parser.parse_args(argv)
+    if args.bench_command == "throughput":
+        return throughput.main(args)
     return _bench(args)
 
 

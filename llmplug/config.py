@@ -34,7 +34,7 @@ class OptimizeConfig:
     kv_num_blocks: int | None = None
     kv_memory_fraction: float = 0.6
     cuda_graphs: bool = True
-    graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128))
+    graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256))
     graph_prefill_tokens: tuple[int, ...] = field(default=(64, 128, 256, 512))
     max_prefill_tokens: int = 8192
     max_model_len: int | None = None

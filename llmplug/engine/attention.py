@@ -37,8 +37,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap)
-    return prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                             meta.max_seqlen_q, scale, window, cap)
+    nd = meta.num_decodes
+    if nd == 0:
+        return prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                 meta.max_seqlen_q, scale, window, cap)
+    # a mixed step: one-token rows on the decode kernel (one K/V read per head group), the rest on the prefill kernel
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens, scale, window, cap)
+    if nd < q.shape[0]:
+        out[nd:] = prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.block_tables[nd:],
+                                     meta.cu_seqlens_q[nd:] - nd, meta.context_lens[nd:], meta.max_seqlen_q, scale,
+                                     window, cap)
+    return out
 
 
 def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

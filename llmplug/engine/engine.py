@@ -74,15 +74,16 @@ class Engine:
 
     # ---- submission --------------------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    on_event: Callable[[StreamDelta | RequestOutput], None] | None = None) -> str:
+                    on_event: Callable[[StreamDelta | RequestOutput], None] | None = None, stream: bool = True) -> str:
         """Queue a request (thread-safe); returns its id.
 
         Args:
             prompt: token ids, or text when the engine has a tokenizer.
             params: :class:`SamplingParams` (defaults when None).
             request_id: a unique id; generated when None.
-            on_event: called on the engine's thread with every :class:`StreamDelta` and the final
-                :class:`RequestOutput`.
+            on_event: called on the engine's thread with every :class:`StreamDelta` (when ``stream``) and with the
+                final :class:`RequestOutput`.
+            stream: send token deltas to ``on_event`` (False: only the final output).
 
         Raises:
             ValueError: empty or over-long prompt, unknown token ids, text without a tokenizer, a duplicate id.
@@ -105,7 +106,8 @@ class Engine:
             rid = f"req_{order}" if request_id is None else str(request_id)
             if rid in self._requests:
                 raise ValueError(f"request_id={rid!r} is already in use by a running request")
-            request = Request(rid, ids, params, prompt=text, order=order, stop_ids=stop_ids, on_event=on_event)
+            request = Request(rid, ids, params, prompt=text, order=order, stop_ids=stop_ids, on_event=on_event,
+                              stream=stream and on_event is not None)
             self._requests[rid] = request
             self._inbox.append(request)
         self._wake.set()
@@ -158,8 +160,9 @@ class Engine:
             forks = self._fork(seqs)
             picks = list(range(len(seqs))) + [seqs.index(parent) for parent, _ in forks]
             seqs += [child for _, child in forks]
-            index = torch.tensor(picks, device=logits.device)
-            tokens = sample(logits[index], seqs).tolist()
+            if forks:
+                logits = logits[torch.tensor(picks, device=logits.device)]
+            tokens = sample(logits, seqs).tolist()
         except Exception as error:  # a failed step fails its requests; the engine keeps serving the others
             self.blocks.reset_cache()
             for seq in plan.seqs:
@@ -221,16 +224,16 @@ class Engine:
         reason = None
         if token in seq.request.stop_ids:
             reason = "stop"
-        elif len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= self.runner.max_model_len:
+        elif seq.num_output >= params.max_new_tokens or seq.num_tokens >= self.runner.max_model_len:
             reason = "length"
-        if params.stop or seq.request.on_event is not None:
+        if params.stop or seq.request.stream:
             seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True) if self.tokenizer else None
             cut = self._find_stop(seq) if params.stop else None
             if cut is not None:
                 seq.text, reason = seq.text[:cut], "stop"
         if reason is not None:
             self._finish(seq, reason, finished)
-        elif seq.request.on_event is not None:
+        elif seq.request.stream:
             self._emit_delta(seq)
 
     def _find_stop(self, seq: Sequence) -> int | None:
@@ -244,7 +247,7 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         request = seq.request
-        if request.on_event is not None:
+        if request.stream:
             self._emit_delta(seq)
         if len(request.seqs) == request.params.n and all(s.status is Status.FINISHED for s in request.seqs):
             self._close(request, finished)
@@ -293,7 +296,7 @@ class Engine:
             # hold back a trailing partial UTF-8 character; it is completed by a later token
             ready = seq.text if seq.finish_reason else seq.text.rstrip("\ufffd")
             text, seq.sent_chars = ready[seq.sent_chars:], len(ready)
-        seq.sent_tokens = len(seq.output_ids)
+        seq.sent_tokens = seq.num_output
         seq.request.on_event(StreamDelta(seq.request.request_id, seq.index, new_ids, text,
                                          seq.finish_reason is not None, seq.finish_reason))
 
@@ -303,7 +306,7 @@ class Engine:
         for seq in request.seqs:
             text = None
             if self.tokenizer is not None:
-                text = seq.text if (request.params.stop or request.on_event) else \
+                text = seq.text if (request.params.stop or request.stream) else \
                     self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
             outs.append(CompletionOutput(seq.index, list(seq.output_ids), text, seq.finish_reason,
                                          list(seq.token_times)))
@@ -338,7 +341,7 @@ class Engine:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.add_request(prompt, p, on_event=collect))
+                ids.append(self.add_request(prompt, p, on_event=collect, stream=False))
         except Exception:
             for rid in ids:
                 self.abort(rid)
@@ -444,6 +447,10 @@ class Engine:
                 except KeyError:
                     pass
             raise
+
+    def warmup(self) -> None:
+        """Capture the CUDA graphs of every decode batch size up to ``max_num_seqs`` now, not mid-serving."""
+        self.runner.capture_decode_graphs(self.config.max_num_seqs)
 
     def stats(self) -> dict:
         """Latency percentiles, throughput, goodput, KV use, prefix hits and preemptions so far."""

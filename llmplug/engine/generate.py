@@ -69,6 +69,8 @@ def _fallback_reason(model, config, kwargs: dict) -> str | None:
 
 def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
     """HF ``generate`` with llmplug's decoding loop; same signature and return types."""
+    if kwargs.get("cache_implementation") == "paged":  # stock generate hands it to model.generate_batch: llmplug's
+        return type(model).generate(model, inputs=inputs, generation_config=generation_config, **kwargs)
     if inputs is not None:
         kwargs["inputs"] = inputs
     config = _merged_config(model, generation_config, kwargs)

@@ -21,6 +21,9 @@ class AttentionMetadata:
         context_lens: ``(B,) int32`` prefill only: tokens already cached before this step.
         max_seqlen_q: prefill only: longest new-token run.
         seq_lens: ``(B,) int32`` decode only: cached tokens including the new one (0: padding row).
+        num_decodes: prefill only: the first ``num_decodes`` sequences have one new token each; their attention runs
+            on the decode kernel (``seq_lens`` then holds their ``(num_decodes,)`` lengths), the rest on the prefill
+            kernel.
     """
 
     is_decode: bool
@@ -30,3 +33,4 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None
     max_seqlen_q: int = 0
     seq_lens: torch.Tensor | None = None
+    num_decodes: int = 0

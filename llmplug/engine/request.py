@@ -46,6 +46,10 @@ class Sequence:
         return len(self.tokens)
 
     @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
@@ -77,7 +81,8 @@ class Request:
     error: str | None = None
     done: bool = False  # every sample finished, or the request was aborted or failed
     finish_time: float | None = None
-    on_event: Callable | None = None  # gets every StreamDelta and the final RequestOutput (engine thread)
+    on_event: Callable | None = None  # gets the final RequestOutput (engine thread), and StreamDeltas if stream
+    stream: bool = False
 
     def __post_init__(self) -> None:
         self.seqs = [Sequence(self, 0, list(self.prompt_ids))]

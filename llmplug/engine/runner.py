@@ -134,6 +134,17 @@ class ModelRunner:
         return next((b for b in self.config.graph_batch_sizes if b >= batch), None)
 
     @torch.inference_mode()
+    def capture_decode_graphs(self, max_batch: int) -> int:
+        """Capture every decode graph a batch of up to ``max_batch`` rows can use now; returns how many exist."""
+        if not self._graphs_allowed:
+            return 0
+        top = self.graph_bucket(max_batch) or self.config.graph_batch_sizes[-1]
+        for bucket in self.config.graph_batch_sizes:
+            if bucket <= top and ("decode", bucket) not in self._graphs:
+                self._capture_decode(bucket)
+        return sum(kind == "decode" for kind, _ in self._graphs)
+
+    @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Prefill step -> logits ``(B, V)`` of rows ``logits_indices``.

@@ -28,7 +28,7 @@ def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """
     dev, vocab = logits.device, logits.shape[1]
     for i, s in enumerate(seqs):
-        if len(s.output_ids) < s.request.params.min_new_tokens and s.request.stop_ids:
+        if s.num_output < s.request.params.min_new_tokens and s.request.stop_ids:
             logits[i, list(s.request.stop_ids)] = -float("inf")
     rep = [i for i, s in enumerate(seqs) if s.request.params.repetition_penalty != 1.0]
     if rep:
@@ -81,7 +81,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Next token of each row: ``logits (B, V)`` (row ``i`` belongs to ``seqs[i]``) -> ``(B,)`` int64 on device."""
     plain = all(s.request.params.greedy and s.request.params.repetition_penalty == 1.0
                 and not s.request.params.frequency_penalty and not s.request.params.presence_penalty
-                and len(s.output_ids) >= s.request.params.min_new_tokens for s in seqs)
+                and s.num_output >= s.request.params.min_new_tokens for s in seqs)
     if plain:
         return logits.argmax(-1)
     logits = logits.to(torch.float32, copy=True)  # the runner's logits buffer is reused

@@ -45,7 +45,9 @@ def prefill_inputs(seqs: list[Sequence], num_new: list[int], block_size: int, de
     cu, starts = small[:len(seqs) + 1], small[len(seqs) + 1:]
     tables = block_table(seqs, device)
     slots = tables[row, positions // block_size].long() * block_size + positions % block_size
+    nd = next((i for i, n in enumerate(num_new) if n != 1), len(num_new))  # leading one-token rows
+    ctx = starts.to(torch.int32)
     meta = AttentionMetadata(is_decode=False, slot_mapping=slots, block_tables=tables,
-                             cu_seqlens_q=cu.to(torch.int32), context_lens=starts.to(torch.int32),
-                             max_seqlen_q=max(num_new))
+                             cu_seqlens_q=cu.to(torch.int32), context_lens=ctx,
+                             max_seqlen_q=max(num_new[nd:], default=1), num_decodes=nd, seq_lens=ctx[:nd] + 1)
     return ids, positions, meta, cu[1:] - 1

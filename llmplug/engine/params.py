@@ -19,6 +19,16 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _as_tuple(value, kind: type) -> tuple | None:
+    """``value`` as a tuple: a single ``kind`` becomes a 1-tuple; None when it is not iterable."""
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        return None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded. ``temperature == 0`` (or ``do_sample=False``) is greedy.
@@ -71,11 +81,13 @@ class SamplingParams:
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and -2 <= value <= 2, f"{name}={value!r} must be in [-2, 2]")
         _check(self.seed is None or _is_int(self.seed), f"seed={self.seed!r} must be an int or None")
-        ids = (self.stop_token_ids,) if _is_int(self.stop_token_ids) else self.stop_token_ids
-        _check(all(_is_int(t) and t >= 0 for t in ids), f"stop_token_ids={self.stop_token_ids!r} must be ints >= 0")
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        _check(all(isinstance(s, str) and s for s in stop), f"stop={self.stop!r} must be non-empty strings")
+        ids = _as_tuple(self.stop_token_ids, int)
+        _check(ids is not None and all(_is_int(t) and t >= 0 for t in ids),
+               f"stop_token_ids={self.stop_token_ids!r} must be ints >= 0")
+        object.__setattr__(self, "stop_token_ids", ids)
+        stop = _as_tuple(self.stop, str)
+        _check(stop is not None and all(isinstance(s, str) and s for s in stop),
+               f"stop={self.stop!r} must be non-empty strings")
         object.__setattr__(self, "stop", stop)
         _check(_is_int(self.n) and self.n >= 1, f"n={self.n!r} must be an int >= 1")
         _check(_is_int(self.priority), f"priority={self.priority!r} must be an int")

@@ -142,8 +142,8 @@ class BlockManager:
         existing = self._block_of.get(key)
         if existing is not None:
             return self._id_of[existing]
-        if block in self._entry_of:  # a shared prompt block registered by a sibling already
-            return self._id_of[block]
+        if block in self._entry_of:
+            raise ValueError(f"block {block} is cached already under another prefix")
         self._block_of[key] = block
         self._entry_of[block] = key
         self._id_of[block] = self._next_id

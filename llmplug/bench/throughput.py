@@ -1,8 +1,9 @@
 """Serving benchmark of :class:`llmplug.Engine`: offline workloads (a)-(d), Poisson arrivals (e), stock HF
 ``generate_batch`` on (a), every figure beside the physical floor of the run.
 
-The physical floor of a run (dense decoder, one device; see :func:`floor`) is the time an ideal engine would need at
-the measured ceilings; ``fraction_of_floor = floor_s / wall_s`` says how close the engine gets (1.0 is unreachable).
+The physical floor of a run (dense decoder, one device; see :func:`llmplug.bench.workloads.floor`) is the time an ideal
+engine would need at the measured ceilings; ``fraction_of_floor = floor_s / wall_s`` says how close the engine gets
+(1.0: as fast as the ideal engine).
 """
 
 from __future__ import annotations
@@ -24,108 +25,12 @@ from ..config import OptimizeConfig
 from ..engine.params import EngineConfig, SamplingParams
 from ..engine.request import RequestOutput
 from . import report, timing, workloads
-from .shapes import build, weight_bytes
-from .workloads import Workload
+from .shapes import build
+from .workloads import ModelCost, Workload, floor
 
-__all__ = ["ModelCost", "add_arguments", "floor", "main", "run"]
+__all__ = ["add_arguments", "main", "run"]
 
 _PCTS = ("p50", "p95", "p99")
-
-
-# ---- the physical floor ------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ModelCost:
-    """What one token costs a dense decoder.
-
-    Attributes:
-        weight_bytes: bytes a decode step reads (``shapes.weight_bytes``: every weight once, one embedding row).
-        body_params: matmul parameters outside the lm_head (2 FLOPs each per token).
-        head_params: lm_head parameters (2 FLOPs each per sampled row).
-        kv_bytes_per_token: K and V of one token over all layers, ``2 * L * Hkv * D * elem``.
-        attn_flops_per_pair: FLOPs of one query-key pair over all layers (QK^T and PV), ``4 * L * H * D``.
-    """
-
-    weight_bytes: int
-    body_params: int
-    head_params: int
-    kv_bytes_per_token: int
-    attn_flops_per_pair: int
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> ModelCost:
-        """The cost of a stock (not yet optimized) HF model."""
-        text = model.config.get_text_config()
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        elem = next(model.parameters()).element_size()
-        wb = weight_bytes(model)
-        head = model.get_output_embeddings().weight.numel()
-        layers = text.num_hidden_layers
-        return cls(wb, wb // elem - head, head, 2 * layers * kv_heads * head_dim * elem, 4 * layers * heads * head_dim)
-
-
-def prefill_flops(cost: ModelCost, prompt_len: int, cached: int = 0) -> int:
-    """FLOPs to prefill ``prompt_len - cached`` tokens after ``cached`` ones and sample the last row."""
-    new = prompt_len - cached
-    pairs = (prompt_len * (prompt_len + 1) - cached * (cached + 1)) // 2  # sum of c for c in cached+1 .. prompt_len
-    return 2 * cost.body_params * new + 2 * cost.head_params + cost.attn_flops_per_pair * pairs
-
-
-def floor(cost: ModelCost, prompt_lens: list[int], output_lens: list[int], read_bw: float, matmul_rate: float,
-          max_num_seqs: int, cached: list[int] | None = None, arrivals: list[float] | None = None) -> dict:
-    """Physical floor of a run, in seconds, and its parts.
-
-    ::
-
-        floor_s = sum_r F_pre(r) / R + sum_s max(B_s / BW, F_s / R)
-        F_pre(r) = 2 N_body (p_r - c_r) + 2 N_head + A * sum_{j = c_r + 1}^{p_r} j
-        B_s = W + K * sum_{r in S_s} ctx_r(s)
-        F_s = sum_{r in S_s} (2 (N_body + N_head) + A * ctx_r(s))
-
-    with ``p_r`` / ``o_r`` request r's prompt / output tokens, ``c_r`` its prompt tokens an ideal prefix cache already
-    holds, ``W`` weight bytes, ``K`` KV bytes per token, ``A`` attention FLOPs per query-key pair, ``N_body`` /
-    ``N_head`` matmul parameters outside / in the lm_head (:class:`ModelCost`), ``BW`` the measured read bandwidth
-    and ``R`` the measured matmul rate. The first output token comes from the prefill; request r then needs decode
-    steps k = 1 .. o_r - 1, each over ``ctx_r = p_r + k`` tokens. The ideal schedule runs requests in order, up to
-    ``max_num_seqs`` at once, all running requests decode in every step ``s`` (set ``S_s``), and a waiting request
-    joins the step after one finishes. With ``arrivals`` (online runs) the floor is also at least the arrival span
-    plus the last request's own floor, run alone.
-    """
-    cached = cached or [0] * len(prompt_lens)
-    pre = sum(prefill_flops(cost, p, c) for p, c in zip(prompt_lens, cached))
-    decode_s, steps = _decode_floor(cost, prompt_lens, output_lens, read_bw, matmul_rate, max_num_seqs)
-    out = {"prefill_flops": pre, "prefill_s": pre / matmul_rate, "decode_s": decode_s, "decode_steps": steps}
-    out["floor_s"] = out["prefill_s"] + decode_s
-    if arrivals:
-        last = max(range(len(arrivals)), key=arrivals.__getitem__)
-        alone = floor(cost, [prompt_lens[last]], [output_lens[last]], read_bw, matmul_rate, 1)["floor_s"]
-        out["arrival_bound_s"] = arrivals[last] - min(arrivals) + alone
-        out["floor_s"] = max(out["floor_s"], out["arrival_bound_s"])
-    return out
-
-
-def _decode_floor(cost: ModelCost, prompt_lens: list[int], output_lens: list[int], read_bw: float, matmul_rate: float,
-                  max_num_seqs: int) -> tuple[float, int]:
-    """Seconds and steps of the ideal decode schedule of :func:`floor`."""
-    waiting = [(p, o - 1) for p, o in zip(prompt_lens, output_lens) if o > 1][::-1]
-    running: list[list[int]] = []  # [context, decode steps left]
-    per_row = 2 * (cost.body_params + cost.head_params)
-    total, steps = 0.0, 0
-    while waiting or running:
-        while waiting and len(running) < max_num_seqs:
-            running.append(list(waiting.pop()))
-        ctx = 0
-        for r in running:
-            r[0] += 1
-            r[1] -= 1
-            ctx += r[0]
-        nbytes = cost.weight_bytes + cost.kv_bytes_per_token * ctx
-        flops = per_row * len(running) + cost.attn_flops_per_pair * ctx
-        total += max(nbytes / read_bw, flops / matmul_rate)
-        steps += 1
-        running = [r for r in running if r[1] > 0]
-    return total, steps
 
 
 def _floor_of(wl: Workload, cost: ModelCost, ceil: dict, max_num_seqs: int, prefix_cache: bool = False) -> dict | None:
@@ -139,10 +44,6 @@ def _floor_of(wl: Workload, cost: ModelCost, ceil: dict, max_num_seqs: int, pref
 # ---- runs ----------------------------------------------------------------------------------------------------------
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, do_sample=False, ignore_eos=True)
-
-
-def _sync(device: torch.device) -> None:
-    timing.sync(device)
 
 
 def _counters(engine: llmplug.Engine) -> tuple[int, int, int]:
@@ -178,7 +79,7 @@ def run_offline(engine: llmplug.Engine, wl: Workload, cost: ModelCost, ceil: dic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     params = [_greedy(o) for o in wl.output_lens]
-    _sync(device)
+    timing.sync(device)
     t0 = time.perf_counter()
     outs = engine.generate(wl.prompts, params, progress=True)
     wall = time.perf_counter() - t0
@@ -205,20 +106,27 @@ def run_online(engine: llmplug.Engine, wl: Workload, rate: float, cost: ModelCos
                 finished.set()
 
     ids: list[str] = []
+    failed: list[BaseException] = []
     t0 = time.perf_counter()
 
     def drive() -> None:
-        for prompt, n, at in zip(wl.prompts, wl.output_lens, wl.arrivals):
-            delay = t0 + at - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            ids.append(engine.add_request(prompt, _greedy(n), on_event=on_event))
+        try:
+            for prompt, n, at in zip(wl.prompts, wl.output_lens, wl.arrivals):
+                delay = t0 + at - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                ids.append(engine.add_request(prompt, _greedy(n), on_event=on_event, stream=False))
+        except BaseException as error:  # noqa: BLE001 - re-raised on the caller's thread
+            failed.append(error)
+            finished.set()
 
     driver = threading.Thread(target=drive, name="llmplug-bench-driver", daemon=True)
     driver.start()
     while not finished.wait(1.0):
         if not engine.is_running():
             raise RuntimeError("the engine's background loop stopped during the online run")
+    if failed:
+        raise RuntimeError(f"add_request failed at request {len(ids)} of the online run") from failed[0]
     wall = time.perf_counter() - t0
     driver.join()
     bar.close()
@@ -231,24 +139,22 @@ def run_online(engine: llmplug.Engine, wl: Workload, rate: float, cost: ModelCos
 def warm_up(model: torch.nn.Module, config: EngineConfig, wls: list[Workload], vocab: int) -> float:
     """Seconds spent compiling and capturing before timing, on a throwaway engine.
 
-    On CUDA: a batch whose requests finish one per step (every decode graph bucket up to ``max_num_seqs``) and one
-    single-sequence prompt per prefill graph bucket. Everywhere: the first requests of each workload, 4 tokens out.
+    ``Engine.warmup`` (every decode graph up to ``max_num_seqs``), one single-sequence prompt per prefill graph
+    bucket on CUDA, and the first requests of each workload with 4 tokens out (Triton compiles of their shapes).
     """
     t0 = time.perf_counter()
     engine = llmplug.Engine(model, config)
+    engine.warmup()
     runner = engine.runner
     g = torch.Generator().manual_seed(12345)
-    ids = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
     if runner.device.type == "cuda":
-        n = min(max(runner.config.graph_batch_sizes), config.max_num_seqs)
-        engine.generate([ids(16) for _ in range(n)], [_greedy(i + 2) for i in range(n)], progress=False)
         for t in runner.config.graph_prefill_tokens:
             if t + 2 <= runner.max_model_len:
-                engine.generate([ids(t)], _greedy(2), progress=False)
+                engine.generate([torch.randint(3, vocab, (t,), generator=g).tolist()], _greedy(2), progress=False)
     for wl in wls:
         head = wl.head(4)
         engine.generate(head.prompts, [_greedy(min(o, 4)) for o in head.output_lens], progress=False)
-    _sync(runner.device)
+    timing.sync(runner.device)
     _drop(engine)
     del engine
     gc.collect()
@@ -261,12 +167,12 @@ def _drop(engine: llmplug.Engine) -> None:
     engine.blocks.reset_cache()
 
 
-def run_stock(model: torch.nn.Module, wl: Workload, requests: int | None, cost: ModelCost, ceil: dict,
-              max_num_seqs: int) -> dict:
-    """Stock HF continuous batching (``generate_batch``) on the first ``requests`` of ``wl`` (all when None).
+def run_generate_batch(model: torch.nn.Module, wl: Workload, requests: int | None, cost: ModelCost, ceil: dict,
+                       max_num_seqs: int) -> dict:
+    """``model.generate_batch`` (HF's continuous-batching API) on the first ``requests`` of ``wl`` (all when None).
 
-    Run on the model before ``llmplug.optimize``. On CPU the HF cache is sized to the requests (HF's default sizing
-    fills gigabytes of static buffers there).
+    Stock HF before ``llmplug.optimize``, llmplug's engine after it. On CPU the stock HF cache is sized to the
+    requests (HF's default sizing fills gigabytes of static buffers there).
     """
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -286,10 +192,10 @@ def run_stock(model: torch.nn.Module, wl: Workload, requests: int | None, cost: 
                                     progress_bar=bar)
 
     gen(sub.prompts[:2], 4)  # warm-up: kernels and cuBLAS handles
-    _sync(device)
+    timing.sync(device)
     t0 = time.perf_counter()
     res = gen(sub.prompts, new, bar=True)
-    _sync(device)
+    timing.sync(device)
     wall = time.perf_counter() - t0
     got = [len(o.generated_tokens) for o in res.values()]
     tokens = sum(got)
@@ -326,16 +232,17 @@ def run(model_name: str, device: str, dtype: torch.dtype, keys: tuple[str, ...] 
     res["cost"] = dataclasses.asdict(cost)
     offline = {k: workloads.build(k, vocab, scale) for k in keys if k != "e"}
     online = [workloads.online(vocab, r, scale, requests=online_requests) for r in rates] if "e" in keys else []
-    phases = (["stock"] if stock and "a" in offline else []) + ["warm-up"] + list(offline) + (["e"] if online else [])
-    bar = tqdm(total=len(phases), desc=f"throughput {model_name}", unit="phase")
+    stock = stock and "a" in offline
+    phases = 1 + len(offline) + bool(online) + 2 * stock  # warm-up, offline workloads, online, both generate_batch
+    bar = tqdm(total=phases, desc=f"throughput {model_name}", unit="phase")
 
     def done(name: str) -> None:
         save(res)
         bar.set_postfix_str(name)
         bar.update(1)
 
-    if stock and "a" in offline:
-        res["stock"] = run_stock(model, offline["a"], stock_requests, cost, ceil, engine_config.max_num_seqs)
+    if stock:
+        res["stock"] = run_generate_batch(model, offline["a"], stock_requests, cost, ceil, engine_config.max_num_seqs)
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
         done("stock")
@@ -364,6 +271,10 @@ def run(model_name: str, device: str, dtype: torch.dtype, keys: tuple[str, ...] 
         finally:
             _drop(engine)
         done("e")
+    if "stock" in res:  # the same call on the same requests, now on llmplug's engine (last: it keeps its own engine)
+        res["llmplug_generate_batch"] = run_generate_batch(model, offline["a"], stock_requests, cost, ceil,
+                                                           engine_config.max_num_seqs)
+        done("llmplug generate_batch")
     bar.close()
     res["summary"] = summary(res)
     save(res)
@@ -371,11 +282,13 @@ def run(model_name: str, device: str, dtype: torch.dtype, keys: tuple[str, ...] 
 
 
 def summary(res: dict) -> dict:
-    """Speed-ups: llmplug vs stock HF on (a), prefix caching on vs off on (d)."""
+    """Speed-ups: llmplug's engine and llmplug's ``generate_batch`` vs stock HF on (a), prefix caching on (d)."""
     out = {}
     runs = res.get("runs", {})
     if "stock" in res and "a" in runs:
         out["speedup_vs_stock_a"] = runs["a"]["output_tok_s"] / res["stock"]["output_tok_s"]
+    if "stock" in res and "llmplug_generate_batch" in res:
+        out["generate_batch_speedup_a"] = res["llmplug_generate_batch"]["output_tok_s"] / res["stock"]["output_tok_s"]
     if "d_prefix_cache" in runs and "d_no_prefix_cache" in runs:
         out["prefix_caching_speedup_d"] = runs["d_prefix_cache"]["output_tok_s"] / runs["d_no_prefix_cache"][
             "output_tok_s"]
@@ -428,8 +341,13 @@ def table(res: dict) -> list[str]:
     if st:
         lines += ["", f"Stock HF `generate_batch` on (a), {st['requests']} of {st['of_requests']} requests: "
                       f"{st['output_tok_s']:,.1f} output tok/s ({st['wall_s']:.1f} s, "
-                      f"{_f(st['fraction_of_floor'], '.1f', 100)}% of its floor); llmplug on all of (a): "
+                      f"{_f(st['fraction_of_floor'], '.1f', 100)} % of its floor); llmplug on all of (a): "
                       f"{res['runs']['a']['output_tok_s']:,.1f}; speed-up {_f(sm.get('speedup_vs_stock_a'), '.2f')}x"]
+        ours = res.get("llmplug_generate_batch")
+        if ours:
+            lines.append(f"The same `generate_batch` call on the same requests after `llmplug.optimize`: "
+                         f"{ours['output_tok_s']:,.1f} output tok/s ({ours['wall_s']:.1f} s), speed-up "
+                         f"{_f(sm.get('generate_batch_speedup_a'), '.2f')}x")
     if "prefix_caching_speedup_d" in sm:
         on, off = res["runs"]["d_prefix_cache"], res["runs"]["d_no_prefix_cache"]
         lines += ["", f"Prefix caching on (d): {on['output_tok_s']:,.0f} vs {off['output_tok_s']:,.0f} output tok/s "
@@ -547,12 +465,16 @@ def main(args: argparse.Namespace) -> int:
               engine_config=engine_config, optimize_config=optimize_config, save=save)
     lines = table(res)
     print("\n".join(lines))
+    if not cuda:
+        print("(CPU: llmplug runs its pure-PyTorch reference path here and no floor is measured; the figures that "
+              "matter are on CUDA)")
     if paths:
         paths[1].write_text("\n".join(lines) + "\n")
         drawn = plot(res, paths[2])
         print(f"saved {paths[0]}, {paths[1]}" + (f", {drawn}" if drawn else ""))
-    bad = [k for k, r in list(res["runs"].items()) + list(res["online"].items())
-           if r["errors"] or not r["all_full_length"]]
+    checked = list(res["runs"].items()) + list(res["online"].items())
+    checked += [(k, res[k]) for k in ("stock", "llmplug_generate_batch") if k in res]
+    bad = [k for k, r in checked if r["errors"] or not r["all_full_length"]]
     if bad:
         print(f"runs with failed or short requests: {bad}")
     return 1 if bad else 0

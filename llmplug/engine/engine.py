@@ -18,16 +18,42 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from ..kv.prefix_cache import ROOT, BlockManager
+from ..kv.prefix_cache import ROOT
 from ..kv.swap import SwapSpace
 from .metrics import EngineMetrics
 from .params import EngineConfig, SamplingParams
 from .request import CompletionOutput, Request, RequestOutput, Sequence, Status, StreamDelta
 from .sampler import sample
 from .scheduler import Scheduler, StepPlan
-from .step_inputs import decode_inputs, prefill_inputs
+from .step_inputs import decode_inputs, prefill_inputs, to_device
 
 Prompt = str | list[int]
+_PLACEHOLDER = -1  # a sampled token the host has not seen yet
+
+
+def _needs_history(seq: Sequence) -> bool:
+    p = seq.request.params
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
+class _Pending:
+    """A launched step: ``tokens (R,)`` on the device, sampled for ``seqs`` at token ``indices``."""
+
+    def __init__(self, seqs: list[Sequence], indices: list[int], tokens: torch.Tensor) -> None:
+        self.seqs, self.indices, self.tokens = seqs, indices, tokens
+        self.row_of = {id(s): r for r, s in enumerate(seqs)}
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = tokens, None
+
+    def values(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 class Engine:
@@ -52,11 +78,12 @@ class Engine:
         self.runner = model._llmplug_runner
         self.cache = self.runner.ensure_cache()
         self.block_size = self.cache.block_size
-        self.blocks = BlockManager(self.cache.allocator, self.block_size, self.config.enable_prefix_caching)
+        self.blocks = self.cache.blocks
+        self.blocks.enabled = self.config.enable_prefix_caching
         swap = None
         if self.config.preemption_mode == "swap":
             swap = SwapSpace.sized(self.cache, self.config.swap_space_gb)
-        self.scheduler = Scheduler(self.config, self.blocks, swap)
+        self.scheduler = Scheduler(self.config, self.blocks, swap, copy_block=self._copy_block)
         self.metrics = EngineMetrics(self.config)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         gen = model.generation_config
@@ -71,6 +98,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._loop_error: BaseException | None = None
+        self._pending: _Pending | None = None  # the last launched step, whose tokens the host has not seen yet
 
     # ---- submission --------------------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -98,6 +126,8 @@ class Engine:
             text, prompt = prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         ids = [int(t) for t in prompt]
         self._check_prompt(ids, params)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs a tokenizer: Engine(model, tokenizer=...)")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
@@ -143,57 +173,101 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns the outputs of the requests that finished in it."""
+        """Launch one scheduled batch, then learn the previous batch's tokens; returns the requests that finished.
+
+        The host learns a step's sampled tokens one step late: step ``n + 1`` is launched (its decode inputs read
+        step ``n``'s tokens on the device) before the host waits for step ``n``, so the GPU never idles on the host's
+        bookkeeping. A sequence that stops at step ``n`` has one extra token computed in step ``n + 1``, then dropped.
+        """
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise RuntimeError("the engine's background loop is running: submit requests instead of calling step()")
         finished: list[RequestOutput] = []
         self._take_inbox(finished)
         plan = self.scheduler.schedule()
         self.metrics.on_schedule(plan, self.blocks)
-        if not plan.seqs:
-            return finished
-        try:
-            logits, rows = self._execute(plan)
-            for seq, n in zip(plan.seqs, plan.num_new):
-                self._computed(seq, n)
-            seqs = [plan.seqs[i] for i in rows]
-            forks = self._fork(seqs)
-            picks = list(range(len(seqs))) + [seqs.index(parent) for parent, _ in forks]
-            seqs += [child for _, child in forks]
-            if forks:
-                logits = logits[torch.tensor(picks, device=logits.device)]
-            tokens = sample(logits, seqs).tolist()
-        except Exception as error:  # a failed step fails its requests; the engine keeps serving the others
-            self.blocks.reset_cache()
-            for seq in plan.seqs:
-                self._fail(seq.request, error, finished)
-            return finished
-        now = time.perf_counter()
-        for seq, token in zip(seqs, tokens):
-            self._append(seq, token, now, finished)
-        self.metrics.on_step(plan, len(tokens), now)
+        launched = None
+        if plan.seqs:
+            if self._pending is not None and any(_needs_history(s) for s in plan.seqs):
+                self._resolve(finished)  # penalties read every earlier token on the host
+            try:
+                launched = self._launch(plan)
+            except Exception as error:  # a failed step fails its requests; the engine keeps serving the others
+                self.blocks.reset_cache()
+                for seq in plan.seqs:
+                    self._fail(seq.request, error, finished)
+        if self._pending is not None:
+            self._resolve(finished)
+        self._pending = launched
         return finished
 
+    def _launch(self, plan: StepPlan) -> _Pending | None:
+        """Run ``plan`` and sample on the device; each sampled sequence gets a placeholder token until resolved."""
+        logits, rows = self._execute(plan)
+        for seq, n in zip(plan.seqs, plan.num_new):
+            seq.num_computed += n
+            self._register_full_blocks(seq)
+        if not rows:  # only prompt chunks that end mid-prompt: nothing to sample
+            self.metrics.on_step(plan, 0, time.perf_counter())
+            return None
+        seqs = [plan.seqs[i] for i in rows]
+        forks = self._fork(seqs)
+        if forks:
+            picks = list(range(len(seqs))) + [seqs.index(parent) for parent, _ in forks]
+            logits = logits[torch.tensor(picks, device=logits.device)]
+            seqs += [child for _, child in forks]
+        tokens = sample(logits, seqs)
+        pending = _Pending(seqs, [s.num_tokens for s in seqs], tokens)
+        for seq in seqs:
+            seq.tokens.append(_PLACEHOLDER)
+            if seq.num_output >= seq.request.params.max_new_tokens or seq.num_tokens >= self.runner.max_model_len:
+                self.scheduler.retire(seq)  # done whatever the token is: schedule nothing more for it
+        self.metrics.on_step(plan, len(seqs), time.perf_counter())
+        return pending
+
+    def _resolve(self, finished: list[RequestOutput]) -> None:
+        """Wait for the pending step's tokens, put them in place, check stop conditions, stream."""
+        pending, self._pending = self._pending, None
+        values = pending.values()
+        now = time.perf_counter()
+        for seq, index, token in zip(pending.seqs, pending.indices, values):
+            if seq.status is Status.FINISHED:  # stopped a step earlier: this extra token is dropped
+                continue
+            seq.tokens[index] = token
+            seq.resolved = index + 1
+            self._register_full_blocks(seq)
+            self._check_stop(seq, token, now, finished)
+
     def _execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
-        """Copies, swap-ins and the forward -> ``(logits (R, V), rows)``: ``rows`` index the sampled sequences."""
-        if plan.copies:
-            src = torch.tensor([s for s, _ in plan.copies], device=self.cache.k.device)
-            dst = torch.tensor([d for _, d in plan.copies], device=self.cache.k.device)
-            self.cache.k[:, dst] = self.cache.k[:, src]
-            self.cache.v[:, dst] = self.cache.v[:, src]
+        """Swap-ins and the forward -> ``(logits (R, V), rows)``: ``rows`` index the sampled sequences."""
         for slots, blocks in plan.swap_in:
             self.scheduler.swap.swap_in(slots, blocks)
         device = self.runner.device
         if plan.is_decode:
             ids, positions, tables = decode_inputs(plan.seqs, device)
+            self._fill_placeholders(ids, plan.seqs)
             logits = self.runner.decode(ids, positions, tables)
         else:
             ids, positions, meta, last = prefill_inputs(plan.seqs, plan.num_new, self.block_size, device)
+            self._fill_placeholders(ids[:meta.num_decodes], plan.seqs[:meta.num_decodes])
             logits = self.runner.prefill(ids, positions, meta, last)
         rows = [i for i, (s, n) in enumerate(zip(plan.seqs, plan.num_new)) if s.num_computed + n == s.num_tokens]
-        if len(rows) < len(plan.seqs):
+        if rows and len(rows) < len(plan.seqs):
             logits = logits[torch.tensor(rows, device=logits.device)]
         return logits, rows
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        self.cache.k[:, dst] = self.cache.k[:, src]
+        self.cache.v[:, dst] = self.cache.v[:, src]
+
+    def _fill_placeholders(self, ids: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Overwrite, on the device, the input ids of one-token rows whose token the previous step sampled."""
+        if self._pending is None:
+            return
+        src = [self._pending.row_of.get(id(s), -1) if s.tokens[-1] == _PLACEHOLDER else -1 for s in seqs]
+        if max(src, default=-1) < 0:
+            return
+        index = to_device(torch.tensor(src), ids.device)
+        ids.copy_(torch.where(index >= 0, self._pending.tokens[index.clamp(min=0)], ids))
 
     def _fork(self, seqs: list[Sequence]) -> list[tuple[Sequence, Sequence]]:
         """Siblings for each request with ``n > 1`` about to sample its first token; they share its blocks."""
@@ -209,25 +283,23 @@ class Engine:
                     forks.append((seq, child))
         return forks
 
-    def _computed(self, seq: Sequence, n: int) -> None:
-        """``n`` more tokens of ``seq`` have KV now; cache the blocks they filled."""
-        seq.num_computed += n
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Cache every block of ``seq`` that is computed, full, and whose tokens the host knows."""
         P = self.block_size
-        for j in range(len(seq.entry_ids), seq.num_computed // P):
+        for j in range(len(seq.entry_ids), min(seq.num_computed, seq.resolved) // P):
             parent = seq.entry_ids[-1] if seq.entry_ids else ROOT
             seq.entry_ids.append(self.blocks.register(seq.blocks[j], parent, seq.tokens[j * P:(j + 1) * P]))
 
-    def _append(self, seq: Sequence, token: int, now: float, finished: list[RequestOutput]) -> None:
-        seq.tokens.append(token)
+    def _check_stop(self, seq: Sequence, token: int, now: float, finished: list[RequestOutput]) -> None:
         seq.token_times.append(now)
         params = seq.request.params
         reason = None
         if token in seq.request.stop_ids:
             reason = "stop"
-        elif seq.num_output >= params.max_new_tokens or seq.num_tokens >= self.runner.max_model_len:
+        elif seq.resolved - seq.prompt_len >= params.max_new_tokens or seq.resolved >= self.runner.max_model_len:
             reason = "length"
         if params.stop or seq.request.stream:
-            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True) if self.tokenizer else None
+            seq.text = self.tokenizer.decode(seq.known_output, skip_special_tokens=True) if self.tokenizer else None
             cut = self._find_stop(seq) if params.stop else None
             if cut is not None:
                 seq.text, reason = seq.text[:cut], "stop"
@@ -245,6 +317,7 @@ class Engine:
     # ---- finishing and delivery ----------------------------------------------------------------------------------
     def _finish(self, seq: Sequence, reason: str, finished: list[RequestOutput]) -> None:
         seq.finish_reason = reason
+        del seq.tokens[seq.resolved:]  # tokens of steps still in flight are dropped
         self.scheduler.remove(seq)
         request = seq.request
         if request.stream:
@@ -269,9 +342,9 @@ class Engine:
         request.error = f"{type(error).__name__}: {error}"
         for seq in request.seqs:
             if seq.status is not Status.FINISHED:
-                seq.finish_reason = "error"
-                self.scheduler.remove(seq)
-        self._close(request, finished)
+                self._finish(seq, "error", finished)
+        if not request.done:
+            self._close(request, finished)
 
     def _take_inbox(self, finished: list[RequestOutput]) -> None:
         with self._lock:
@@ -285,18 +358,18 @@ class Engine:
                 continue
             for seq in request.seqs:
                 if seq.status is not Status.FINISHED:
-                    seq.finish_reason = "abort"
-                    self.scheduler.remove(seq)
-            self._close(request, finished)
+                    self._finish(seq, "abort", finished)
+            if not request.done:
+                self._close(request, finished)
 
     def _emit_delta(self, seq: Sequence) -> None:
-        new_ids = seq.output_ids[seq.sent_tokens:]
+        new_ids = seq.known_output[seq.sent_tokens:]
         text = None
         if seq.text is not None:
             # hold back a trailing partial UTF-8 character; it is completed by a later token
             ready = seq.text if seq.finish_reason else seq.text.rstrip("\ufffd")
             text, seq.sent_chars = ready[seq.sent_chars:], len(ready)
-        seq.sent_tokens = seq.num_output
+        seq.sent_tokens = seq.resolved - seq.prompt_len
         seq.request.on_event(StreamDelta(seq.request.request_id, seq.index, new_ids, text,
                                          seq.finish_reason is not None, seq.finish_reason))
 
@@ -307,8 +380,8 @@ class Engine:
             text = None
             if self.tokenizer is not None:
                 text = seq.text if (request.params.stop or request.stream) else \
-                    self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-            outs.append(CompletionOutput(seq.index, list(seq.output_ids), text, seq.finish_reason,
+                    self.tokenizer.decode(seq.known_output, skip_special_tokens=True)
+            outs.append(CompletionOutput(seq.index, seq.known_output, text, seq.finish_reason,
                                          list(seq.token_times)))
         firsts = [s.token_times[0] for s in request.seqs if s.token_times]
         return RequestOutput(request.request_id, list(request.prompt_ids), request.prompt, outs, request.done,
@@ -378,6 +451,7 @@ class Engine:
         if self._thread is not None:
             return
         self._stopping = False
+        self._loop_error = None
         self._thread = threading.Thread(target=self._loop, name="llmplug-engine", daemon=True)
         self._thread.start()
 
@@ -397,7 +471,7 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stopping:
-                if not self.scheduler.has_work() and not self._inbox and not self._aborts:
+                if not self.scheduler.has_work() and self._pending is None and not self._inbox and not self._aborts:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
@@ -408,6 +482,7 @@ class Engine:
                 pending = list(self._requests.values())
             for request in pending:
                 self._fail(request, error, [])
+            self._thread = None  # start() may run a fresh loop
 
     def _raise_loop_error(self) -> None:
         if self._loop_error is not None:
@@ -451,6 +526,12 @@ class Engine:
     def warmup(self) -> None:
         """Capture the CUDA graphs of every decode batch size up to ``max_num_seqs`` now, not mid-serving."""
         self.runner.capture_decode_graphs(self.config.max_num_seqs)
+
+    def reset_stats(self) -> None:
+        """Start every counter of :meth:`stats` afresh (latencies, throughput, preemptions, prefix hits)."""
+        self.metrics.reset()
+        self.scheduler.num_preemptions = 0
+        self.blocks.stats = type(self.blocks.stats)()
 
     def stats(self) -> dict:
         """Latency percentiles, throughput, goodput, KV use, prefix hits and preemptions so far."""

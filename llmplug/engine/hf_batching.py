@@ -166,7 +166,7 @@ class ContinuousBatchingManager:
         self.model = model
         self.generation_config = generation_config
         self.num_return_sequences = int(generation_config.num_return_sequences or 1)
-        self.warmed_up = True  # nothing to warm up: the engine captures its graphs on first use
+        self.warmed_up = False
         self._fields = _sampling_fields(generation_config)
         self._engine = engine_of(model)
         self._prefix = f"hf{next(_managers)}/"  # engine ids of this manager's requests
@@ -182,7 +182,11 @@ class ContinuousBatchingManager:
 
     # ---- control flow ------------------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """No-op: the engine captures CUDA graphs on first use."""
+        """Capture the engine's decode CUDA graphs now (skipped while its loop runs: they are captured on use)."""
+        with _lock:
+            if not self._engine.is_running():
+                self._engine.warmup()
+        self.warmed_up = True
 
     def is_running(self) -> bool:
         return self._running and self._engine.is_running()
@@ -234,7 +238,7 @@ class ContinuousBatchingManager:
             warnings.warn(f"the manager did not stop within {timeout} s; it stops once its requests finish",
                           stacklevel=2)
 
-    def destroy(self) -> None:
+    def destroy(self) -> None:  # HF's: stop for good
         if self.is_running():
             self.stop(block=True)
 
@@ -273,10 +277,9 @@ class ContinuousBatchingManager:
         prompt = [int(t) for t in input_ids]
         eos = self.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         params = self._params(len(prompt), max_new_tokens, eos, logit_processor_kwargs)
-        n = params.n
         track = _Track(request_id, self._prefix + request_id,
-                       [request_id] + [f"{request_id}__child#{i}" for i in range(n - 1)], prompt, streaming,
-                       record_timestamps, tokens=[[] for _ in range(n)], times=[[] for _ in range(n)])
+                       [request_id] + [f"{request_id}__child#{i}" for i in range(params.n - 1)], prompt, streaming,
+                       record_timestamps, tokens=[[] for _ in range(params.n)], times=[[] for _ in range(params.n)])
         with self._cond:
             if request_id in self._pending:
                 raise ValueError(f"request_id={request_id!r} is already pending in this manager")
@@ -304,10 +307,9 @@ class ContinuousBatchingManager:
         config = self.generation_config
         if max_new_tokens is None:
             max_new_tokens = config.max_new_tokens
-        if max_new_tokens is None:  # HF's continuous batching has no limit then; llmplug stops at the model's length
-            limit = config.max_length
-            if limit is None:
-                limit = min(self._engine.runner.max_model_len, self._engine.blocks.num_total * self._engine.block_size)
+        if max_new_tokens is None:  # with no max_length either, HF's has no limit: the model's length or the KV pool
+            limit = config.max_length or min(self._engine.runner.max_model_len,
+                                             self._engine.blocks.num_total * self._engine.block_size)
             max_new_tokens = max(1, limit - prompt_len)
         min_new = max(config.min_new_tokens or 0, (config.min_length or 0) - prompt_len)
         fields = {**self._fields, **overrides}
@@ -360,14 +362,18 @@ class ContinuousBatchingManager:
         finish = output.finish_time if output is not None and output.finish_time is not None else time.perf_counter()
         for index in list(range(1, len(track.sample_ids))) + [0]:
             sample = samples.get(index)
-            failed = error is not None or sample is None or sample.finish_reason == "error"
+            reason = error
+            if reason is None and (sample is None or sample.finish_reason == "error"):
+                reason = "the engine returned no output for this sample"
+            times = None
+            if track.record:  # times already streamed stay as they were sent
+                streamed = track.times[index]
+                times = streamed + (list(sample.token_times[len(streamed):]) if sample else [])
             self._put(GenerationOutput(
                 request_id=track.sample_ids[index], prompt_ids=list(track.prompt),
-                generated_tokens=list(sample.token_ids) if sample else [], logprobs=[],
-                error=error if error is not None or not failed else "no output for this sample",
-                status=RequestStatus.FAILED if failed else RequestStatus.FINISHED, created_time=track.created,
-                lifespan=(track.created, finish),
-                timestamps=(list(sample.token_times) if sample else []) if track.record else None))
+                generated_tokens=list(sample.token_ids) if sample else [], logprobs=[], error=reason,
+                status=RequestStatus.FAILED if reason else RequestStatus.FINISHED, created_time=track.created,
+                lifespan=(track.created, finish), timestamps=times))
 
     def _put(self, output: GenerationOutput) -> None:
         """Route ``output`` to its registered handler or the results queue (``self._cond`` held)."""
@@ -443,6 +449,8 @@ def continuous_batching_context_manager(model, generation_config: GenerationConf
                                         workload_hints=None) -> Iterator[ContinuousBatchingManager]:
     """A started manager, stopped on exit (``block`` / ``timeout`` as in :meth:`ContinuousBatchingManager.stop`)."""
     manager = init_continuous_batching(model, generation_config)
+    if warmup:
+        manager.warmup()
     manager.start()
     try:
         yield manager
@@ -469,6 +477,8 @@ def generate_batch(model, inputs: list[list[int]], generation_config: Generation
     results: dict[str, GenerationOutput] = {}
     ids: list[str] = []
     done = False
+    if warmup:
+        manager.warmup()
     manager.start()
     try:
         with tqdm(total=total, disable=not progress_bar, desc=f"Solving {total} requests", unit="request") as bar:

@@ -28,6 +28,7 @@ class Sequence:
         self.tokens = tokens
         self.prompt_len = request.prompt_len
         self.num_computed = 0
+        self.resolved = len(tokens)  # leading tokens the host knows (the rest are placeholders of in-flight steps)
         self.blocks: list[int] = []
         self.entry_ids: list[int] = []  # prefix-cache entry id of each registered full block, in order
         self.swap_slots: list[int] = []
@@ -54,8 +55,9 @@ class Sequence:
         return self.tokens[self.prompt_len:]
 
     @property
-    def sort_key(self) -> tuple:
-        return self.request.sort_key
+    def known_output(self) -> list[int]:
+        """Generated tokens the host has seen (``output_ids`` may end in placeholders of in-flight steps)."""
+        return self.tokens[self.prompt_len:self.resolved]
 
     def fork(self, index: int) -> Sequence:
         """A sibling sharing this sequence's computed prefix (the caller holds the shared blocks once more)."""
@@ -90,10 +92,6 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
-
-    @property
-    def sort_key(self) -> tuple:
-        return (self.params.priority, self.order)
 
 
 @dataclass

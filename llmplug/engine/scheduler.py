@@ -9,6 +9,7 @@ long prompt never stalls running decodes. When blocks run out the last sequence 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..kv.prefix_cache import BlockManager
@@ -21,14 +22,14 @@ from .request import Sequence, Status
 class StepPlan:
     """One step: ``seqs[i]`` computes ``num_new[i]`` tokens from position ``seqs[i].num_computed``.
 
-    ``copies`` are (src, dst) block copies (copy-on-write) and ``swap_in`` (cpu slots, blocks) copies to do before the
-    forward; ``preempted`` lists sequences preempted while planning.
+    ``swap_in`` lists (cpu slots, blocks) copies to do before the forward; ``copies`` lists the copy-on-write block
+    copies (src, dst) already made while planning; ``preempted`` lists sequences preempted while planning.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -40,23 +41,34 @@ class StepPlan:
         return all(n == 1 and s.num_computed == s.num_tokens - 1 for s, n in zip(self.seqs, self.num_new))
 
 
+def _seats(seq: Sequence) -> int:
+    """Running sequences ``seq`` will count for: a request with ``n`` samples forks ``n - 1`` after its prompt."""
+    return seq.request.params.n if len(seq.request.seqs) == 1 else 1
+
+
 class Scheduler:
     """Queues of waiting, running and swapped sequences over one :class:`BlockManager`."""
 
-    def __init__(self, config: EngineConfig, blocks: BlockManager, swap: SwapSpace | None = None) -> None:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, swap: SwapSpace | None = None,
+                 copy_block: Callable[[int, int], None] | None = None) -> None:
         self.config = config
         self.blocks = blocks
         self.swap = swap
+        self.copy_block = copy_block  # (src, dst): copy one block's KV at once (copy-on-write); None: no KV to copy
         self.block_size = blocks.block_size
-        self.waiting: list[Sequence] = []  # kept sorted by sort_key
-        self.running: list[Sequence] = []  # kept sorted by sort_key
-        self.swapped: list[Sequence] = []  # kept sorted by sort_key
+        if config.policy == "priority":
+            self.key = lambda s: (s.request.params.priority, s.request.order)
+        else:
+            self.key = lambda s: s.request.order
+        self.waiting: list[Sequence] = []  # each queue is kept sorted by the policy's key
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
         self.num_preemptions = 0
 
     # ---- queues ----------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        bisect.insort(self.waiting, seq, key=self.key)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -69,10 +81,15 @@ class Scheduler:
         self._drop_kv(seq)
         seq.status = Status.FINISHED
 
+    def retire(self, seq: Sequence) -> None:
+        """Schedule nothing more for a running ``seq`` (its last token is in flight); it keeps its blocks until
+        :meth:`remove`."""
+        self.running.remove(seq)
+
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one (it holds its blocks already)."""
         seq.status = Status.RUNNING
-        bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+        bisect.insort(self.running, seq, key=self.key)
 
     def _drop_kv(self, seq: Sequence) -> None:
         if seq.blocks:
@@ -133,6 +150,8 @@ class Scheduler:
         old = seq.blocks[i]
         if self.blocks.is_shared(old):
             seq.blocks[i] = self.blocks.copy_on_write(old)
+            if self.copy_block is not None:  # copied now (stream-ordered), so a later preemption sees the content
+                self.copy_block(old, seq.blocks[i])
             plan.copies.append((old, seq.blocks[i]))
 
     def _grow(self, seq: Sequence, n: int) -> None:
@@ -144,10 +163,10 @@ class Scheduler:
         self.running.remove(seq)
         self.num_preemptions += 1
         plan.preempted.append(seq)
-        if seq in plan.seqs:  # planned earlier in this step: unplan it and its copy-on-write
+        if seq in plan.seqs:  # planned earlier in this step: unplan it
             i = plan.seqs.index(seq)
             del plan.seqs[i], plan.num_new[i]
-            plan.copies = [(src, dst) for src, dst in plan.copies if dst not in seq.blocks]
+
         computed = seq.num_computed
         if self.config.preemption_mode == "swap" and self.swap is not None \
                 and self.swap.allocator.num_free >= -(-computed // self.block_size):
@@ -156,7 +175,7 @@ class Scheduler:
             self.blocks.free(seq.blocks)
             seq.blocks = []
             seq.status = Status.SWAPPED
-            bisect.insort(self.swapped, seq, key=lambda s: s.sort_key)
+            bisect.insort(self.swapped, seq, key=self.key)
         else:  # recompute: the full blocks stay in the prefix cache, so the rerun may find them
             self._drop_kv(seq)
             self.add(seq)
@@ -166,7 +185,8 @@ class Scheduler:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed, budget)
             need = -(-(seq.num_computed + n) // self.block_size)
-            if need > self.blocks.num_free - self._watermark():
+            reserve = self._watermark() if self.running else 0
+            if need > self.blocks.num_free - reserve:
                 break
             self.swapped.pop(0)
             seq.blocks = self.blocks.allocate(need)
@@ -182,8 +202,11 @@ class Scheduler:
         return int(self.config.watermark * self.blocks.num_total)
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = sum(map(_seats, self.running))
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seats + _seats(seq) > self.config.max_num_seqs:
+                break
             if seq.num_computed == 0:
                 seq.blocks, seq.entry_ids = self.blocks.match(seq.tokens)
                 seq.num_computed = len(seq.blocks) * self.block_size
@@ -191,9 +214,11 @@ class Scheduler:
             need = -(-(seq.num_computed + n) // self.block_size) - len(seq.blocks)
             reserve = self._watermark() if self.running else 0  # alone, a request may use the whole pool
             if need > self.blocks.num_free - reserve:
-                self._drop_kv(seq)
+                self.blocks.unmatch(seq.blocks, seq.num_tokens)
+                seq.blocks, seq.entry_ids, seq.num_computed = [], [], 0
                 break
             self.waiting.pop(0)
+            seats += _seats(seq)
             seq.blocks.extend(self.blocks.allocate(need))
             self.add_running(seq)
             plan.seqs.append(seq)

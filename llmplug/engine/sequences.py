@@ -38,7 +38,7 @@ class SequenceBatch:
             raise ValueError(f"sequences of up to {longest} tokens exceed max_model_len={runner.max_model_len}; "
                              "pass optimize(model, max_model_len=...) or shorten max_length/max_new_tokens")
         self.lengths = lengths  # tokens each row has in the KV cache once its latest token is stored
-        self.blocks = [SequenceBlocks(cache.allocator, self.block_size) for _ in self.prompts]
+        self.blocks = [SequenceBlocks(cache.blocks, self.block_size) for _ in self.prompts]
         width = -(-longest // self.block_size)
         self.block_table = torch.zeros(len(self.prompts), width, dtype=torch.int32)
         self.block_table_dev = self.block_table.to(self.device)

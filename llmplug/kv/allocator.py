@@ -42,9 +42,13 @@ class BlockAllocator:
 
 
 class SequenceBlocks:
-    """The pages of one sequence, grown a page at a time as tokens arrive (never reserved up front)."""
+    """The pages of one sequence, grown a page at a time as tokens arrive (never reserved up front).
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    ``allocator`` is anything with ``allocate(n)`` and ``free(blocks)``: a :class:`BlockAllocator` or the pool's
+    ``BlockManager``.
+    """
+
+    def __init__(self, allocator, block_size: int) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.blocks: list[int] = []

@@ -7,6 +7,7 @@ import os
 import torch
 
 from .allocator import BlockAllocator
+from .prefix_cache import BlockManager
 
 
 class PagedKVCache:
@@ -24,6 +25,9 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks)
+        # every user of the pool (generate's batches, the engine) takes blocks through this one manager, so blocks the
+        # engine keeps in its prefix cache are evicted for whoever needs them
+        self.blocks = BlockManager(self.allocator, block_size, enable_prefix_caching=False)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

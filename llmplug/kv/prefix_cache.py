@@ -65,7 +65,10 @@ class BlockManager:
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks held once each, evicting least recently used cached blocks when needed."""
         if n > self.num_free:
-            raise KVCacheFullError(f"{n} KV blocks needed but only {self.num_free} of {self.num_total} are free")
+            raise KVCacheFullError(
+                f"the KV cache needs {n} more pages of the {self.num_total} in its pool but only {self.num_free} are "
+                "free: shorten the prompts or max_new_tokens, use a smaller batch, or give llmplug a bigger pool "
+                "(optimize(model, kv_num_blocks=...) or kv_memory_fraction=...)")
         while self.allocator.num_free < n:
             block, _ = self._evictable.popitem(last=False)
             self._forget(block)
@@ -108,6 +111,13 @@ class BlockManager:
         return new
 
     # ---- prefix cache ----------------------------------------------------------------------------------------
+    def unmatch(self, blocks: list[int], num_tokens: int) -> None:
+        """Give back a :meth:`match` of a ``num_tokens`` prompt that could not be used (its lookup is not counted)."""
+        self.free(blocks)
+        if self.enabled:
+            self.stats.queried_tokens -= num_tokens
+            self.stats.hit_tokens -= len(blocks) * self.block_size
+
     def match(self, tokens: list[int]) -> tuple[list[int], list[int]]:
         """Hold the cached blocks of the longest cached prefix of ``tokens``, leaving at least one token to compute.
 

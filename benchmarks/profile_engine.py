@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import llmplug  # noqa: E402
 from llmplug.bench import shapes  # noqa: E402
-from llmplug.engine import engine as engine_module  # noqa: E402
 
 
 def timed(store, name, fn):
@@ -68,24 +67,14 @@ def main() -> None:
     spent = defaultdict(float)
     sched = eng.scheduler
     sched.schedule = timed(spent, "schedule", sched.schedule)
-    eng._execute = timed(spent, "execute (launch)", eng._execute)
-    eng_sample = engine_module.sample
-
-    def sample_and_wait(logits, seqs):
-        tokens = eng_sample(logits, seqs)
-        torch.cuda.synchronize()
-        return tokens
-
-    engine_module.sample = timed(spent, "sample+sync", sample_and_wait)
-    orig_append = eng._append
-    eng._append = timed(spent, "append", orig_append)
+    eng._launch = timed(spent, "launch (inputs, forward, sample)", eng._launch)
+    eng._resolve = timed(spent, "resolve (wait for tokens, stop checks)", eng._resolve)
     ps = prompts(args.requests)
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = eng.generate(ps, params, progress=False)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
-    engine_module.sample = eng_sample
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     stats = eng.stats()
     res = {"args": vars(args), "wall_s": wall, "output_tok_s": n_out / wall, "steps": stats["steps"],

@@ -98,6 +98,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._loop_error: BaseException | None = None
+        self._warmed = False
         self._pending: _Pending | None = None  # the last launched step, whose tokens the host has not seen yet
 
     # ---- submission --------------------------------------------------------------------------------------------
@@ -524,8 +525,25 @@ class Engine:
             raise
 
     def warmup(self) -> None:
-        """Capture the CUDA graphs of every decode batch size up to ``max_num_seqs`` now, not mid-serving."""
+        """Pay one-time costs now, not mid-serving (CUDA only; once per engine).
+
+        Captures the decode graph of every batch size up to ``max_num_seqs``, then serves a throwaway set of
+        random prompts (lengths from 1 to ``max_num_batched_tokens``, a few tokens each), so the kernels' variants of
+        mixed steps are compiled and single-sequence prefill graphs captured. Counters and prefix cache are reset.
+        """
+        if self._warmed or self.runner.device.type != "cuda":
+            return
+        self._warmed = True
         self.runner.capture_decode_graphs(self.config.max_num_seqs)
+        g = torch.Generator().manual_seed(0)
+        longest = min(self.config.max_num_batched_tokens, self.runner.max_model_len - 4,
+                      self.blocks.num_total * self.block_size // 8)
+        lengths = sorted({max(1, longest >> i) for i in range(12)} | {1, 2, 65, 129, 257, 511})
+        lengths += torch.randint(1, max(2, longest // 4), (48,), generator=g).tolist()
+        prompts = [torch.randint(0, self.vocab_size, (n,), generator=g).tolist() for n in lengths if n <= longest]
+        self.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), progress=False)
+        self.blocks.reset_cache()
+        self.reset_stats()
 
     def reset_stats(self) -> None:
         """Start every counter of :meth:`stats` afresh (latencies, throughput, preemptions, prefix hits)."""

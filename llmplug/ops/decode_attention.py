@@ -279,13 +279,15 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     """Flash-decoding split count from static quantities only (CUDA-graph safe: never from ``seq_lens`` values).
 
     Aims for about two programs per SM (``batch * num_kv_heads * splits >= 2 * num_sms``), but gives every split at
-    least ``_MIN_TILES_PER_SPLIT`` tiles of the longest possible context, and caps at ``_MAX_SPLITS``. E.g. on 132
-    SMs with 8 kv heads and 8k context in 64-token tiles: batch 1 -> 32 splits, batch 8 -> 5, batch 64 -> 1.
+    least ``_MIN_TILES_PER_SPLIT`` tiles of the longest possible context, and caps at ``_MAX_SPLITS``; rounded down
+    to a power of two. E.g. on 132 SMs with 8 kv heads and 8k context in 64-token tiles: batch 1 -> 32 splits,
+    batch 8 -> 4, batch 64 -> 1.
     """
     # NOTE: untuned (target occupancy, minimum split length and cap are guesses to revisit on the H100/H200).
     want = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
     cap = max(1, triton.cdiv(max_context, block_n) // _MIN_TILES_PER_SPLIT)
-    return max(1, min(want, cap, _MAX_SPLITS))
+    splits = max(1, min(want, cap, _MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)  # a power of two: the split count is a kernel constant, so few compiles
 
 
 @llmplug_op("decode_attention")

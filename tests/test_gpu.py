@@ -99,3 +99,32 @@ def test_eos_and_max_length_on_the_deferred_stop_path():
     llmplug.optimize(model)
     for n, want in expected.items():
         assert torch.equal(model.generate(**kw, max_new_tokens=n), want), n
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_greedy_fp32_matches_stock_per_request(family, mode):
+    """Engine on CUDA (graphs, async steps, chunked prefill, preemption forced by a small pool, prefix hits from a
+    shared prefix, n > 1) gives each greedy request stock HF's tokens for that prompt alone."""
+    torch.manual_seed(0)
+    stock = make_model(family).cuda()
+    fast = make_model(family).cuda()
+    fast.load_state_dict(stock.state_dict())
+    llmplug.optimize(fast, kv_num_blocks=24, kv_block_size=8)
+    config = llmplug.EngineConfig(max_num_batched_tokens=32, preemption_mode=mode, swap_space_gb=0.001)
+    engine = llmplug.Engine(fast, config)
+    engine.warmup()
+    shared = prompts(1, lengths=(17,), seed=3)[0]
+    rows = [shared + p for p in prompts(6, lengths=(5, 30, 3, 12, 1, 8))] + prompts(4, lengths=(40, 2, 9, 21), seed=5)
+    params = llmplug.SamplingParams(max_new_tokens=24, do_sample=False, ignore_eos=True)
+    outs = engine.generate(rows, params, progress=False)
+    for row, out in zip(rows, outs):
+        ref = stock.generate(torch.tensor([row], device="cuda"), max_new_tokens=24, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(row):].tolist()
+        assert out.outputs[0].token_ids == ref
+    assert engine.stats()["prefix_hit_rate"] > 0
+    triple = engine.generate(rows[:2], llmplug.SamplingParams(max_new_tokens=24, do_sample=False, ignore_eos=True,
+                                                              n=3), progress=False)
+    for out, single in zip(triple, outs):
+        assert [c.token_ids for c in out.outputs] == [single.outputs[0].token_ids] * 3
+    assert engine.blocks.num_used == 0

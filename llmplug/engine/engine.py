@@ -13,6 +13,7 @@ import itertools
 import queue
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import torch
@@ -34,6 +35,18 @@ _PLACEHOLDER = -1  # a sampled token the host has not seen yet
 def _needs_history(seq: Sequence) -> bool:
     p = seq.request.params
     return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
+def _deliver(request: Request, item: StreamDelta | RequestOutput) -> None:
+    """Hand ``item`` to the request's callback; a failing callback (e.g. its event loop closed) stops only its own
+    deliveries, never the engine."""
+    try:
+        request.on_event(item)
+    except Exception as error:  # noqa: BLE001
+        warnings.warn(f"on_event of request {request.request_id!r} raised {error!r}; no more events for it",
+                      stacklevel=2)
+        request.on_event = lambda item: None
+        request.stream = False
 
 
 class _Pending:
@@ -127,6 +140,9 @@ class Engine:
             text, prompt = prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         ids = [int(t) for t in prompt]
         self._check_prompt(ids, params)
+        outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
         if params.stop and self.tokenizer is None:
@@ -134,7 +150,9 @@ class Engine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         with self._lock:
             order = next(self._counter)
-            rid = f"req_{order}" if request_id is None else str(request_id)
+            rid = str(request_id) if request_id is not None else f"req_{order}"
+            while request_id is None and rid in self._requests:  # a caller took this name: pick the next free one
+                rid = f"req_{order}_{next(self._counter)}"
             if rid in self._requests:
                 raise ValueError(f"request_id={rid!r} is already in use by a running request")
             request = Request(rid, ids, params, prompt=text, order=order, stop_ids=stop_ids, on_event=on_event,
@@ -184,12 +202,12 @@ class Engine:
             raise RuntimeError("the engine's background loop is running: submit requests instead of calling step()")
         finished: list[RequestOutput] = []
         self._take_inbox(finished)
+        if self._pending is not None and any(_needs_history(s) for s in self._pending.seqs):
+            self._resolve(finished)  # penalties read every earlier token on the host: no step ahead then
         plan = self.scheduler.schedule()
         self.metrics.on_schedule(plan, self.blocks)
         launched = None
         if plan.seqs:
-            if self._pending is not None and any(_needs_history(s) for s in plan.seqs):
-                self._resolve(finished)  # penalties read every earlier token on the host
             try:
                 launched = self._launch(plan)
             except Exception as error:  # a failed step fails its requests; the engine keeps serving the others
@@ -335,7 +353,7 @@ class Engine:
         self.metrics.on_finish(output)
         finished.append(output)
         if request.on_event is not None:
-            request.on_event(output)
+            _deliver(request, output)
 
     def _fail(self, request: Request, error: BaseException, finished: list[RequestOutput]) -> None:
         if request.done:
@@ -371,7 +389,7 @@ class Engine:
             ready = seq.text if seq.finish_reason else seq.text.rstrip("\ufffd")
             text, seq.sent_chars = ready[seq.sent_chars:], len(ready)
         seq.sent_tokens = seq.resolved - seq.prompt_len
-        seq.request.on_event(StreamDelta(seq.request.request_id, seq.index, new_ids, text,
+        _deliver(seq.request, StreamDelta(seq.request.request_id, seq.index, new_ids, text,
                                          seq.finish_reason is not None, seq.finish_reason))
 
     def output_of(self, request: Request) -> RequestOutput:
@@ -409,7 +427,7 @@ class Engine:
             if isinstance(item, RequestOutput):
                 done[item.request_id] = item
                 bar.update(1)
-                if len(done) == len(ids):
+                if len(done) == len(prompts):
                     event.set()
 
         ids: list[str] = []
@@ -510,19 +528,18 @@ class Engine:
         events: asyncio.Queue = asyncio.Queue()
         rid = self.add_request(prompt, params, request_id,
                                on_event=lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        done = False
         try:
-            while True:
+            while not done:
                 item = await events.get()
+                done = isinstance(item, RequestOutput)
                 yield item
-                if isinstance(item, RequestOutput):
-                    return
-        except asyncio.CancelledError:
-            if self.has_unfinished_requests():
+        finally:  # cancelled, or the consumer left early: stop the request
+            if not done:
                 try:
                     self.abort(rid)
                 except KeyError:
                     pass
-            raise
 
     def warmup(self) -> None:
         """Pay one-time costs now, not mid-serving (CUDA only; once per engine).

@@ -2,13 +2,14 @@
 preemptions, ~10% aborted at random moments, every request checked against its output when run alone.
 
 Each request has a random prompt (some share a prefix, for prefix-cache hits), a random ``max_new_tokens``, and is
-greedy (most; some with ``n=2``, some stopping at eos) or sampled with a seed. Requests arrive a few per step; an
-aborted request is aborted before it starts, mid-prefill or mid-decode. After every step the block accounting is
-checked (held blocks = blocks of running sequences, swap slots = slots of swapped sequences); at the end every block
-must be back. A request that finished is compared with the same prompt and parameters run through an idle engine with
-a big pool (``--reference batched``: all at once, no preemption; a mismatch is re-checked alone before it counts),
-alone one by one (``--reference alone``) or, for greedy requests, with stock HF ``generate`` at batch 1
-(``--reference hf``). An aborted request's tokens must be a prefix of its reference.
+greedy (most; some with ``n=2``, some with penalties and ``min_new_tokens``) or sampled with a seed; some stop at eos
+or at a few stop token ids. Requests arrive a few per step; an aborted request is aborted before it starts,
+mid-prefill or mid-decode. After every step the block accounting is checked (held blocks = blocks of unfinished
+sequences, swap slots = slots of swapped ones); at the end every block must be back. A request that finished is
+compared with the same prompt and parameters run through an idle engine with a big pool (``--reference batched``: all
+at once, no preemption; a mismatch is re-checked alone before it counts), alone one by one (``--reference alone``) or,
+for greedy requests without OpenAI-style penalties, with stock HF ``generate`` at batch 1 (``--reference hf``). An
+aborted request's tokens must be a prefix of its reference.
 
 Usage: python benchmarks/soak.py [--requests 5000] [--mode recompute|swap|both] [--device cpu|cuda] [--seed 0]
 
@@ -59,8 +60,10 @@ class SoakConfig:
     abort_rate: float = 0.1
     shared_prefix_rate: float = 0.25
     sampled_rate: float = 0.1
+    penalty_rate: float = 0.1
     n2_rate: float = 0.05
     eos_rate: float = 0.2
+    stop_rate: float = 0.2
     priorities: int = 3
     policy: str = "priority"
     watermark: float = 0.01
@@ -123,14 +126,19 @@ def _jobs(cfg: SoakConfig, vocab: int, max_len: int) -> list[_Job]:
         prompt = (head + [rng.randrange(3, vocab) for _ in range(n)])[:max(n, len(head) + 1)]
         new = min(rng.randint(1, cfg.max_new), max_len - len(prompt))
         kind = rng.random()
-        common = dict(max_new_tokens=new, ignore_eos=rng.random() >= cfg.eos_rate,
+        stops = tuple(rng.sample(range(3, vocab), 4)) if rng.random() < cfg.stop_rate else ()
+        common = dict(max_new_tokens=new, ignore_eos=rng.random() >= cfg.eos_rate, stop_token_ids=stops,
                       priority=rng.randrange(cfg.priorities))
         if kind < cfg.sampled_rate:
             params = SamplingParams(temperature=rng.choice((0.7, 1.0, 1.3)), top_k=rng.choice((0, 20)),
                                     top_p=rng.choice((1.0, 0.9)), seed=rng.randrange(1 << 30),
                                     n=rng.choice((1, 2)), **common)
+        elif kind < cfg.sampled_rate + cfg.penalty_rate:
+            params = SamplingParams(temperature=0.0, repetition_penalty=rng.choice((1.0, 1.2, 1.5)),
+                                    frequency_penalty=rng.choice((0.0, 0.5)), presence_penalty=rng.choice((0.0, 0.3)),
+                                    min_new_tokens=min(rng.choice((0, 2)), new), **common)
         else:
-            params = SamplingParams(temperature=0.0, n=2 if kind < cfg.sampled_rate + cfg.n2_rate else 1, **common)
+            params = SamplingParams(temperature=0.0, n=2 if kind > 1 - cfg.n2_rate else 1, **common)
         abort = rng.choice((0, rng.randint(1, 4), rng.randint(5, 40))) if rng.random() < cfg.abort_rate else None
         jobs.append(_Job(prompt, params, step, abort, f"soak_{i}"))
     return jobs
@@ -231,9 +239,10 @@ def _drive(engine: Engine, jobs: list[_Job], report: SoakReport, stall_steps: in
             report.leaks.append(f"step {step}: {problem}")
             break
         idle = 0 if done or engine.scheduler.running else idle + 1
-        if idle >= stall_steps:
+        if idle >= stall_steps or step > 100 * len(jobs) + 1000:
             report.leaks.append(f"stalled at step {step}: {len(engine.scheduler.waiting)} waiting, "
-                                f"{len(engine.scheduler.swapped)} swapped, nothing running for {idle} steps")
+                                f"{len(engine.scheduler.swapped)} swapped, {len(engine.scheduler.running)} running, "
+                                f"{idle} steps without progress")
             break
         step += 1
     report.steps = step
@@ -245,10 +254,15 @@ def _alone(ref: Engine, job: _Job):
     return ref.generate(job.prompt, job.params, progress=False)[0]
 
 
+def _hf_comparable(p: SamplingParams) -> bool:
+    return p.greedy and not p.frequency_penalty and not p.presence_penalty  # HF has no OpenAI-style penalties
+
+
 def _hf(stock: torch.nn.Module, job: _Job) -> list[list[int]]:
     p = job.params
-    gc = GenerationConfig(max_new_tokens=p.max_new_tokens, do_sample=False, pad_token_id=0,
-                          eos_token_id=None if p.ignore_eos else 2)
+    eos = list(p.stop_token_ids) + ([] if p.ignore_eos else [2])
+    gc = GenerationConfig(max_new_tokens=p.max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=eos or None,
+                          repetition_penalty=p.repetition_penalty, min_new_tokens=p.min_new_tokens)
     ids = torch.tensor([job.prompt], device=stock.device)
     return [stock.generate(ids, generation_config=gc)[0, len(job.prompt):].tolist()] * p.n
 
@@ -262,7 +276,7 @@ def _compare(stock: torch.nn.Module, jobs: list[_Job], outputs: dict, cfg: SoakC
         got = ref.generate([j.prompt for j in todo], [j.params for j in todo], progress=False)
         want = {j.rid: _tokens(o) for j, o in zip(todo, got)}
     elif cfg.reference == "hf":
-        todo = [j for j in todo if j.params.greedy]
+        todo = [j for j in todo if _hf_comparable(j.params)]
         want = {j.rid: _hf(stock, j) for j in todo}
     else:
         want = {j.rid: _tokens(_alone(ref, j)) for j in todo}
@@ -311,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=SoakConfig.max_num_seqs)
     ap.add_argument("--watermark", type=float, default=SoakConfig.watermark)
     ap.add_argument("--policy", choices=("fcfs", "priority"), default=SoakConfig.policy)
+    ap.add_argument("--abort-rate", type=float, default=SoakConfig.abort_rate)
+    ap.add_argument("--penalty-rate", type=float, default=SoakConfig.penalty_rate,
+                    help="share of greedy requests with repetition/frequency/presence penalties")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls: 1 is fastest)")
     args = ap.parse_args(argv)
     if args.device == "cpu":
@@ -320,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = SoakConfig(requests=args.requests, mode=mode, device=args.device, seed=args.seed,
                          reference=args.reference, family=args.family, num_blocks=args.num_blocks,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                         watermark=args.watermark, policy=args.policy)
+                         watermark=args.watermark, policy=args.policy, abort_rate=args.abort_rate,
+                         penalty_rate=args.penalty_rate)
         report = run_soak(cfg)
         print(report.summary(), flush=True)
         ok &= report.ok and report.preemptions > 0

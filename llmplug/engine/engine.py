@@ -226,7 +226,7 @@ class Engine:
             seq.num_computed += n
             self._register_full_blocks(seq)
         if not rows:  # only prompt chunks that end mid-prompt: nothing to sample
-            self.metrics.on_step(plan, 0, time.perf_counter())
+            self.metrics.on_step(plan)
             return None
         seqs = [plan.seqs[i] for i in rows]
         forks = self._fork(seqs)
@@ -240,7 +240,7 @@ class Engine:
             seq.tokens.append(_PLACEHOLDER)
             if seq.num_output >= seq.request.params.max_new_tokens or seq.num_tokens >= self.runner.max_model_len:
                 self.scheduler.retire(seq)  # done whatever the token is: schedule nothing more for it
-        self.metrics.on_step(plan, len(seqs), time.perf_counter())
+        self.metrics.on_step(plan)
         return pending
 
     def _resolve(self, finished: list[RequestOutput]) -> None:
@@ -253,6 +253,7 @@ class Engine:
                 continue
             seq.tokens[index] = token
             seq.resolved = index + 1
+            self.metrics.output_tokens += 1
             self._register_full_blocks(seq)
             self._check_stop(seq, token, now, finished)
 
@@ -385,8 +386,12 @@ class Engine:
         new_ids = seq.known_output[seq.sent_tokens:]
         text = None
         if seq.text is not None:
-            # hold back a trailing partial UTF-8 character; it is completed by a later token
+            # hold back a trailing partial UTF-8 character (a later token completes it) and any tail that may be the
+            # start of a stop string
             ready = seq.text if seq.finish_reason else seq.text.rstrip("\ufffd")
+            hold = max(map(len, seq.request.params.stop), default=1) - 1
+            if hold and not seq.finish_reason:
+                ready = ready[:max(len(ready) - hold, seq.sent_chars)]
             text, seq.sent_chars = ready[seq.sent_chars:], len(ready)
         seq.sent_tokens = seq.resolved - seq.prompt_len
         _deliver(seq.request, StreamDelta(seq.request.request_id, seq.index, new_ids, text,
@@ -452,17 +457,23 @@ class Engine:
         events: queue.Queue = queue.Queue()
         rid = self.add_request(prompt, params, request_id, on_event=events.put)
         closed = False
-        while not closed:
-            if self._thread is None:
-                while events.empty():
-                    self.step()
-            item = events.get()
-            self._raise_loop_error()
-            if isinstance(item, RequestOutput):
-                closed = True
-            else:
-                yield item
-        del rid
+        try:
+            while not closed:
+                if self._thread is None:
+                    while events.empty():
+                        self.step()
+                item = events.get()
+                self._raise_loop_error()
+                if isinstance(item, RequestOutput):
+                    closed = True
+                else:
+                    yield item
+        finally:  # the caller stopped iterating early: stop the request
+            if not closed:
+                try:
+                    self.abort(rid)
+                except KeyError:
+                    pass
 
     # ---- background loop and asyncio ---------------------------------------------------------------------------
     def start(self) -> None:

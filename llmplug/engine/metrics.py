@@ -57,9 +57,9 @@ class EngineMetrics:
         if held:
             self.kv_waste_max = max(self.kv_waste_max, empty / held)
 
-    def on_step(self, plan, num_sampled: int, now: float) -> None:
+    def on_step(self, plan) -> None:
+        """A step was launched (output tokens are counted by the engine as the host receives them)."""
         self.steps += 1
-        self.output_tokens += num_sampled
         self.prompt_tokens += sum(n for s, n in zip(plan.seqs, plan.num_new) if s.num_computed <= s.prompt_len)
 
     def on_finish(self, out: RequestOutput) -> None:

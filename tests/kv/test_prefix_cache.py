@@ -82,7 +82,7 @@ def test_free_of_an_unheld_block_raises():
 def test_allocate_more_than_free_raises_and_allocates_nothing():
     mgr = make(4)
     held = mgr.allocate(3)
-    with pytest.raises(KVCacheFullError, match="2 KV blocks needed but only 1 of 4"):
+    with pytest.raises(KVCacheFullError, match="needs 2 more pages of the 4 in its pool but only 1 are free"):
         mgr.allocate(2)
     assert (mgr.num_used, mgr.num_free, mgr.allocator.num_free) == (3, 1, 1)
     assert set(mgr.ref) == set(held)

@@ -8,16 +8,13 @@ streaming, asyncio and concurrent submission.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import queue
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 
 import torch
-from tqdm.auto import tqdm
 
 from ..kv.prefix_cache import ROOT
 from ..kv.swap import SwapSpace
@@ -26,9 +23,9 @@ from .params import EngineConfig, SamplingParams
 from .request import CompletionOutput, Request, RequestOutput, Sequence, Status, StreamDelta
 from .sampler import sample
 from .scheduler import Scheduler, StepPlan
+from .serving import Prompt, ServingMixin
 from .step_inputs import decode_inputs, prefill_inputs, to_device
 
-Prompt = str | list[int]
 _PLACEHOLDER = -1  # a sampled token the host has not seen yet
 
 
@@ -69,7 +66,7 @@ class _Pending:
         return self.host.tolist()
 
 
-class Engine:
+class Engine(ServingMixin):
     """Continuous-batching generation on one model (optimized in place with llmplug if it is not already).
 
     Args:
@@ -411,146 +408,6 @@ class Engine:
         return RequestOutput(request.request_id, list(request.prompt_ids), request.prompt, outs, request.done,
                              request.arrival_time, min(firsts) if firsts else None, request.finish_time,
                              request.error)
-
-    # ---- batch APIs ------------------------------------------------------------------------------------------------
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = True) -> list[RequestOutput]:
-        """Run ``prompts`` to completion (with a progress bar); outputs in prompt order.
-
-        A single prompt (text or a flat list of ids) is one request. ``params`` is one for all or one per prompt.
-        """
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
-        prompts = [prompts] if single else list(prompts)
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
-        done: dict[str, RequestOutput] = {}
-        event = threading.Event()
-        bar = tqdm(total=len(prompts), desc="llmplug generate", unit="req", disable=not progress)
-
-        def collect(item):
-            if isinstance(item, RequestOutput):
-                done[item.request_id] = item
-                bar.update(1)
-                if len(done) == len(prompts):
-                    event.set()
-
-        ids: list[str] = []
-        try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.add_request(prompt, p, on_event=collect, stream=False))
-        except Exception:
-            for rid in ids:
-                self.abort(rid)
-            raise
-        with bar:
-            if self._thread is None:
-                while len(done) < len(ids):
-                    self.step()
-            else:
-                event.wait()
-        return [done[rid] for rid in ids]
-
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> Iterator[StreamDelta]:
-        """Yield :class:`StreamDelta` s of one request as its tokens arrive (drives steps itself without a loop)."""
-        events: queue.Queue = queue.Queue()
-        rid = self.add_request(prompt, params, request_id, on_event=events.put)
-        closed = False
-        try:
-            while not closed:
-                if self._thread is None:
-                    while events.empty():
-                        self.step()
-                item = events.get()
-                self._raise_loop_error()
-                if isinstance(item, RequestOutput):
-                    closed = True
-                else:
-                    yield item
-        finally:  # the caller stopped iterating early: stop the request
-            if not closed:
-                try:
-                    self.abort(rid)
-                except KeyError:
-                    pass
-
-    # ---- background loop and asyncio ---------------------------------------------------------------------------
-    def start(self) -> None:
-        """Run steps on a background thread until :meth:`stop`; submission stays thread-safe."""
-        if self._thread is not None:
-            return
-        self._stopping = False
-        self._loop_error = None
-        self._thread = threading.Thread(target=self._loop, name="llmplug-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Stop the background loop after its current step (requests left stay queued)."""
-        thread = self._thread
-        if thread is None:
-            return
-        self._stopping = True
-        self._wake.set()
-        thread.join(timeout)
-        self._thread = None
-
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _loop(self) -> None:
-        try:
-            while not self._stopping:
-                if not self.scheduler.has_work() and self._pending is None and not self._inbox and not self._aborts:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                self.step()
-        except BaseException as error:  # noqa: BLE001 - surfaced to every waiter
-            self._loop_error = error
-            with self._lock:
-                pending = list(self._requests.values())
-            for request in pending:
-                self._fail(request, error, [])
-            self._thread = None  # start() may run a fresh loop
-
-    def _raise_loop_error(self) -> None:
-        if self._loop_error is not None:
-            raise RuntimeError("the engine's background loop failed") from self._loop_error
-
-    async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None,
-                        request_id: str | None = None) -> RequestOutput:
-        """Await one request's final output (starts the background loop if needed)."""
-        async for item in self._aevents(prompt, params, request_id):
-            if isinstance(item, RequestOutput):
-                return item
-        raise RuntimeError("request ended without an output")
-
-    async def astream(self, prompt: Prompt, params: SamplingParams | None = None,
-                      request_id: str | None = None) -> AsyncIterator[StreamDelta]:
-        """Async iterator of one request's :class:`StreamDelta` s (starts the background loop if needed)."""
-        async for item in self._aevents(prompt, params, request_id):
-            if isinstance(item, StreamDelta):
-                yield item
-
-    async def _aevents(self, prompt, params, request_id):
-        self.start()
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        rid = self.add_request(prompt, params, request_id,
-                               on_event=lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
-        done = False
-        try:
-            while not done:
-                item = await events.get()
-                done = isinstance(item, RequestOutput)
-                yield item
-        finally:  # cancelled, or the consumer left early: stop the request
-            if not done:
-                try:
-                    self.abort(rid)
-                except KeyError:
-                    pass
 
     def warmup(self) -> None:
         """Pay one-time costs now, not mid-serving (CUDA only; once per engine).

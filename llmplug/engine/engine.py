@@ -192,8 +192,9 @@ class Engine(ServingMixin):
         """Launch one scheduled batch, then learn the previous batch's tokens; returns the requests that finished.
 
         The host learns a step's sampled tokens one step late: step ``n + 1`` is launched (its decode inputs read
-        step ``n``'s tokens on the device) before the host waits for step ``n``, so the GPU never idles on the host's
-        bookkeeping. A sequence that stops at step ``n`` has one extra token computed in step ``n + 1``, then dropped.
+        step ``n``'s tokens on the device) before the host waits for step ``n``, so the GPU does not idle on the host's
+        bookkeeping (except while a penalised request runs: penalties need every earlier token on the host). A
+        sequence that stops at step ``n`` has one extra token computed in step ``n + 1``, then dropped.
         """
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise RuntimeError("the engine's background loop is running: submit requests instead of calling step()")
@@ -222,8 +223,8 @@ class Engine(ServingMixin):
         for seq, n in zip(plan.seqs, plan.num_new):
             seq.num_computed += n
             self._register_full_blocks(seq)
+        self.metrics.on_step(plan)
         if not rows:  # only prompt chunks that end mid-prompt: nothing to sample
-            self.metrics.on_step(plan)
             return None
         seqs = [plan.seqs[i] for i in rows]
         forks = self._fork(seqs)
@@ -237,7 +238,6 @@ class Engine(ServingMixin):
             seq.tokens.append(_PLACEHOLDER)
             if seq.num_output >= seq.request.params.max_new_tokens or seq.num_tokens >= self.runner.max_model_len:
                 self.scheduler.retire(seq)  # done whatever the token is: schedule nothing more for it
-        self.metrics.on_step(plan)
         return pending
 
     def _resolve(self, finished: list[RequestOutput]) -> None:

@@ -51,8 +51,7 @@ class EngineMetrics:
         if not plan.seqs:
             return
         held = blocks.num_used * blocks.block_size
-        running = plan.seqs
-        empty = sum(len(s.blocks) * blocks.block_size - (s.num_computed + n) for s, n in zip(running, plan.num_new))
+        empty = sum(len(s.blocks) * blocks.block_size - (s.num_computed + n) for s, n in zip(plan.seqs, plan.num_new))
         self.kv_use.append(blocks.num_used / blocks.num_total)
         if held:
             self.kv_waste_max = max(self.kv_waste_max, empty / held)

@@ -136,9 +136,17 @@ class Scheduler:
         self._grow(seq, n)
         return True
 
+    def _pages(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def _room(self) -> int:
+        """Blocks a returning or new sequence may take: the free ones less the watermark (waived when alone)."""
+        return self.blocks.num_free - (self._watermark() if self.running else 0)
+
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         P = self.block_size
-        grow = -(-(seq.num_computed + n) // P) - len(seq.blocks)
+        grow = self._pages(seq.num_computed + n) - len(seq.blocks)
         cow = seq.num_computed % P != 0 and self.blocks.is_shared(seq.blocks[seq.num_computed // P])
         return max(grow, 0) + int(cow)
 
@@ -155,7 +163,7 @@ class Scheduler:
             plan.copies.append((old, seq.blocks[i]))
 
     def _grow(self, seq: Sequence, n: int) -> None:
-        need = -(-(seq.num_computed + n) // self.block_size) - len(seq.blocks)
+        need = self._pages(seq.num_computed + n) - len(seq.blocks)
         if need > 0:
             seq.blocks.extend(self.blocks.allocate(need))
 
@@ -166,12 +174,9 @@ class Scheduler:
         if seq in plan.seqs:  # planned earlier in this step: unplan it
             i = plan.seqs.index(seq)
             del plan.seqs[i], plan.num_new[i]
-
-        computed = seq.num_computed
-        if self.config.preemption_mode == "swap" and self.swap is not None \
-                and self.swap.allocator.num_free >= -(-computed // self.block_size):
-            used = seq.blocks[:-(-computed // self.block_size)]
-            seq.swap_slots = self.swap.swap_out(used)
+        used = self._pages(seq.num_computed)
+        if self.config.preemption_mode == "swap" and self.swap is not None and self.swap.allocator.num_free >= used:
+            seq.swap_slots = self.swap.swap_out(seq.blocks[:used])
             self.blocks.free(seq.blocks)
             seq.blocks = []
             seq.status = Status.SWAPPED
@@ -181,13 +186,14 @@ class Scheduler:
             self.add(seq)
 
     def _swap_in(self, plan: StepPlan, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = sum(map(_seats, self.running))
+        while self.swapped and budget > 0 and seats < self.config.max_num_seqs:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            need = -(-(seq.num_computed + n) // self.block_size)
-            reserve = self._watermark() if self.running else 0
-            if need > self.blocks.num_free - reserve:
+            need = self._pages(seq.num_computed + n)
+            if need > self._room():
                 break
+            seats += 1
             self.swapped.pop(0)
             seq.blocks = self.blocks.allocate(need)
             plan.swap_in.append((seq.swap_slots, seq.blocks[:len(seq.swap_slots)]))
@@ -211,9 +217,8 @@ class Scheduler:
                 seq.blocks, seq.entry_ids = self.blocks.match(seq.tokens)
                 seq.num_computed = len(seq.blocks) * self.block_size
             n = min(seq.num_tokens - seq.num_computed, budget)
-            need = -(-(seq.num_computed + n) // self.block_size) - len(seq.blocks)
-            reserve = self._watermark() if self.running else 0  # alone, a request may use the whole pool
-            if need > self.blocks.num_free - reserve:
+            need = self._pages(seq.num_computed + n) - len(seq.blocks)
+            if need > self._room():
                 self.blocks.unmatch(seq.blocks, seq.num_tokens)
                 seq.blocks, seq.entry_ids, seq.num_computed = [], [], 0
                 break

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 __all__ = ["OptimizeConfig"]
 
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
+QUANT_METHODS = ("int8", "int4", "fp8")
+GROUP_SIZES = (32, 64, 128, 256)
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,14 @@ class OptimizeConfig:
         max_prefill_tokens: prompt tokens packed into one forward pass; longer prompts are chunked.
         max_model_len: longest sequence (prompt + new tokens); ``None`` takes the model config's
             ``max_position_embeddings``.
+        quantize: weight quantization of the linear layers: ``None`` (off), ``"int8"`` (per output channel),
+            ``"int4"`` (groups of ``group_size`` along the input, scales and zero points) or ``"fp8"`` (e4m3 weights
+            per output channel, activations per token). Lossy, and kept by ``unoptimize``.
+        group_size: input features per int4 scale/zero group.
+        quantize_exclude: module-name patterns (``fnmatch``, matched against the full name and its last part)
+            whose linears stay unquantized; embeddings are never quantized.
+        kv_cache_dtype: KV pool storage: ``"auto"`` (the model's dtype), ``"fp8"`` (e4m3) or ``"int8"``, with a
+            scale per token and KV head.
     """
 
     fuse: bool = True
@@ -38,6 +49,10 @@ class OptimizeConfig:
     graph_prefill_tokens: tuple[int, ...] = field(default=(64, 128, 256, 512))
     max_prefill_tokens: int = 8192
     max_model_len: int | None = None
+    quantize: str | None = None
+    group_size: int = 128
+    quantize_exclude: tuple[str, ...] = field(default=("lm_head",))
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("fuse", "cuda_graphs"):
@@ -58,6 +73,15 @@ class OptimizeConfig:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens!r} must be a positive int")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive int or None")
+        if self.quantize is not None and self.quantize not in QUANT_METHODS:
+            raise ValueError(f"quantize={self.quantize!r} is not supported; choose None or one of {QUANT_METHODS}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size={self.group_size!r} is not supported; choose one of {GROUP_SIZES}")
+        if isinstance(self.quantize_exclude, str) or any(not isinstance(p, str) for p in self.quantize_exclude):
+            raise ValueError(f"quantize_exclude={self.quantize_exclude!r} must be a tuple of name patterns")
+        object.__setattr__(self, "quantize_exclude", tuple(self.quantize_exclude))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose from {KV_CACHE_DTYPES}")
 
     @classmethod
     def from_overrides(cls, config: OptimizeConfig | None = None, **overrides) -> OptimizeConfig:

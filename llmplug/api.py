@@ -14,6 +14,7 @@ from .engine.runner import ModelRunner, hf_forward
 from .patches.decoder import FusedDecoder
 from .patches.registry import check_supported, family_of
 from .patches.undo import UndoLog
+from .quant.quantize import quantize
 
 _RUNNER_ATTR = "_llmplug_runner"  # what generate runs on
 _UNDO_ATTR = "_llmplug_undo"  # how unoptimize reverts
@@ -25,6 +26,9 @@ def is_optimized(model: torch.nn.Module) -> bool:
 
 def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **overrides) -> torch.nn.Module:
     """Make ``model.generate`` run on llmplug: paged KV, fused kernels, CUDA graphs. In place; returns ``model``.
+
+    With ``quantize=...`` the linear layers are quantized first (:func:`llmplug.quantize`); that is lossy and is
+    the one change :func:`unoptimize` keeps (the original weights are freed; reload the model to get them back).
 
     Args:
         model: a decoder-only HF causal LM, already on its device and dtype.
@@ -39,6 +43,8 @@ def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **ove
             raise ValueError("model is already optimized with a different config; call llmplug.unoptimize first")
         return model
     check_supported(model)
+    if config.quantize is not None:
+        quantize(model, config.quantize, config.group_size, config.quantize_exclude)
     log = UndoLog()
     family = family_of(model) if config.fuse else None
     forward = FusedDecoder(model, family[0], family[1], log) if family else hf_forward
@@ -55,7 +61,10 @@ def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **ove
 
 
 def unoptimize(model: torch.nn.Module) -> torch.nn.Module:
-    """Revert everything :func:`optimize` did (weights layout, methods, attributes) and free the KV pool."""
+    """Revert everything :func:`optimize` did (weights layout, methods, attributes) and free the KV pool.
+
+    Quantized linears stay quantized (see :func:`optimize`); the model then runs them under the stock HF forward.
+    """
     log = model.__dict__.get(_UNDO_ATTR)
     if log is not None:
         log.undo_all()

@@ -17,6 +17,7 @@ from ..ops.act_mul import act_and_mul
 from ..ops.gemv import gemv
 from ..ops.rms_norm import add_rms_norm, rms_norm
 from ..ops.rope_store_kv import rope_store_kv
+from ..quant.linear import QuantLinear, fuse_quant_linears
 from .undo import UndoLog
 
 
@@ -39,11 +40,49 @@ class FamilySpec:
     rope_per_layer_type: bool = False
 
 
+class Dense:
+    """A plain weight (and bias) as the fused forward calls it: ``dense.matmul(x, activation="") -> (M, N)``.
+
+    One token on CUDA (batch-1 decode) goes through llmplug's GEMV, which reads the weight at a higher rate than
+    cuBLAS's small-N kernels and fuses the activation; everything else through ``F.linear``.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def matmul(self, x: torch.Tensor, activation: str = "") -> torch.Tensor:
+        """``x: (M, K)`` (or ``(M, 2K)`` gate/up with ``activation``, applied as ``act(gate) * up``) -> ``(M, N)``."""
+        if x.shape[0] == 1 and x.is_cuda:
+            return gemv(x, self.weight, self.bias, activation)
+        if activation:
+            x = act_and_mul(x, activation)
+        return F.linear(x, self.weight, self.bias)
+
+
+Linear = Dense | QuantLinear  # both offer matmul(x, activation="")
+
+
+def _linear_of(module: torch.nn.Module) -> Linear:
+    return module if isinstance(module, QuantLinear) else Dense(module.weight, module.bias)
+
+
+def _fuse(modules: list[torch.nn.Module], log: UndoLog) -> Linear:
+    """One linear computing the concatenated outputs of ``modules`` (all dense, or all quantized alike)."""
+    if all(isinstance(m, QuantLinear) for m in modules):
+        return fuse_quant_linears(modules, log)
+    if any(isinstance(m, QuantLinear) for m in modules):
+        raise NotImplementedError("cannot fuse quantized with unquantized projections; quantize all or none")
+    weight = log.fuse_parameters([m.weight for m in modules])
+    bias = log.fuse_parameters([m.bias for m in modules]) if modules[0].bias is not None else None
+    return Dense(weight, bias)
+
+
 @dataclass
 class _Layer:
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor | None
-    gate_up_w: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
     q_size: int
     kv_size: int
     scale: float
@@ -57,21 +96,18 @@ def _eps(norm: torch.nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
-def _fuse_attention(attn: torch.nn.Module, log: UndoLog) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse_attention(attn: torch.nn.Module, log: UndoLog) -> Linear:
     if hasattr(attn, "qkv_proj"):  # Phi-3 ships it fused
-        return attn.qkv_proj.weight, attn.qkv_proj.bias
-    projs = [attn.q_proj, attn.k_proj, attn.v_proj]
-    weight = log.fuse_parameters([p.weight for p in projs])
-    bias = log.fuse_parameters([p.bias for p in projs]) if projs[0].bias is not None else None
-    return weight, bias
+        return _linear_of(attn.qkv_proj)
+    return _fuse([attn.q_proj, attn.k_proj, attn.v_proj], log)
 
 
-def _fuse_mlp(mlp: torch.nn.Module, log: UndoLog) -> torch.Tensor:
+def _fuse_mlp(mlp: torch.nn.Module, log: UndoLog) -> Linear:
     if hasattr(mlp, "gate_up_proj"):  # Phi-3
-        return mlp.gate_up_proj.weight
+        return _linear_of(mlp.gate_up_proj)
     if mlp.gate_proj.bias is not None:
         raise NotImplementedError("MLP biases are not fused")
-    return log.fuse_parameters([mlp.gate_proj.weight, mlp.up_proj.weight])
+    return _fuse([mlp.gate_proj, mlp.up_proj], log)
 
 
 class FusedDecoder:
@@ -81,39 +117,25 @@ class FusedDecoder:
         self.spec = spec
         self.activation = activation
         self.base = model.model
-        self.lm_head = model.lm_head
+        self.lm_head = _linear_of(model.lm_head)
         text = model.config.get_text_config()
         self.final_softcap = getattr(text, "final_logit_softcapping", None)
         self.layers = []
         for layer in self.base.layers:
             attn = layer.self_attn
-            qkv_w, qkv_b = _fuse_attention(attn, log)
             head_dim = attn.head_dim
             n_heads = getattr(attn, "num_heads", None) or text.num_attention_heads
             n_kv = getattr(attn, "num_key_value_heads", None) or text.num_key_value_heads
             window = getattr(text, "sliding_window", None) if spec.window_from_config else \
                 getattr(attn, "sliding_window", None)
             self.layers.append(_Layer(
-                qkv_w=qkv_w, qkv_b=qkv_b, gate_up_w=_fuse_mlp(layer.mlp, log),
+                qkv=_fuse_attention(attn, log), o=_linear_of(attn.o_proj), gate_up=_fuse_mlp(layer.mlp, log),
+                down=_linear_of(layer.mlp.down_proj),
                 q_size=n_heads * head_dim, kv_size=n_kv * head_dim, scale=float(attn.scaling),
                 window=window, softcap=getattr(attn, "attn_logit_softcapping", None),
                 rope_key=getattr(attn, "layer_type", None) if spec.rope_per_layer_type else None, module=layer,
             ))
         self.head_dim = self.base.layers[0].self_attn.head_dim
-
-    @staticmethod
-    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                activation: str = "") -> torch.Tensor:
-        """``x @ W^T (+ b)``, with ``act(gate) * up`` applied to ``x`` first when ``activation`` is given.
-
-        One token on CUDA (batch-1 decode) goes through llmplug's GEMV, which reads the weight at a higher rate
-        than cuBLAS's small-N kernels and fuses the activation; everything else through ``F.linear``.
-        """
-        if x.shape[0] == 1 and x.is_cuda:
-            return gemv(x, weight, bias, activation)
-        if activation:
-            x = act_and_mul(x, activation)
-        return F.linear(x, weight, bias)
 
     def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         return rms_norm(x, norm.weight, _eps(norm), self.spec.norm_offset)
@@ -144,7 +166,7 @@ class FusedDecoder:
                 residual, x = hidden, self._norm(hidden, layer.input_layernorm)
             else:
                 x, residual = self._add_norm(hidden, residual, layer.input_layernorm)
-            qkv = self._linear(x, lay.qkv_w, lay.qkv_b)
+            qkv = lay.qkv.matmul(x)
             q = qkv[:, :lay.q_size].view(t, -1, d)
             k = qkv[:, lay.q_size:lay.q_size + lay.kv_size].view(t, -1, d)
             v = qkv[:, lay.q_size + lay.kv_size:].view(t, -1, d)
@@ -154,20 +176,19 @@ class FusedDecoder:
             k_cache, v_cache = cache.layer(i)
             rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, lay.scale, lay.window, lay.softcap, stored=True)
-            hidden = self._linear(o.view(t, -1), attn.o_proj.weight, attn.o_proj.bias)
+            hidden = lay.o.matmul(o.view(t, -1))
             if spec.sandwich_norms:
                 hidden = self._norm(hidden, layer.post_attention_layernorm)
                 x, residual = self._add_norm(hidden, residual, layer.pre_feedforward_layernorm)
             else:
                 x, residual = self._add_norm(hidden, residual, layer.post_attention_layernorm)
-            down = layer.mlp.down_proj
-            hidden = self._linear(self._linear(x, lay.gate_up_w), down.weight, down.bias, self.activation)
+            hidden = lay.down.matmul(lay.gate_up.matmul(x), self.activation)
             if spec.sandwich_norms:
                 hidden = self._norm(hidden, layer.post_feedforward_layernorm)
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]
         hidden, _ = self._add_norm(hidden, residual, self.base.norm)
-        logits = self._linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        logits = self.lm_head.matmul(hidden)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -1,0 +1,188 @@
+"""Weight-only 4-bit linear with group-wise scales and zero points, two values a byte.
+
+``y = x @ W^T (+ bias)`` with ``W[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G]``; layout in
+:mod:`llmplug.quant.formats` (``qweight (N, K // 2) uint8``, each group's first half in the low nibbles, its second
+half in the high nibbles). No dequantised copy is made:
+
+* the GEMV (one token) splits the sum per group, ``s * (sum(q * x) - z * sum(x))``, so the zero point costs one
+  multiply per group and row, and reads several groups per step;
+* the GEMM dequantises one group of a weight tile in registers and runs two tensor-core dots per group (the low
+  and the high halves pair with two contiguous slices of ``x``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, round_rne, tl, triton, use_triton
+
+
+def w4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: dequantise in fp32, matmul in fp32. ``x: (M, K)`` -> ``(M, N)`` in ``x.dtype``."""
+    from ..quant.formats import dequantize_int4
+
+    y = x.float() @ dequantize_int4(qweight, scales, zeros, group_size, torch.float32).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _w4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, NUM_GROUPS, stride_xm, stride_qn, stride_sn,
+                        stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUPS_PER_STEP: tl.constexpr, INTERPRETED: tl.constexpr):
+        HALF: tl.constexpr = GROUP // 2
+        m = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+        gi = tl.arange(0, GROUPS_PER_STEP)
+        p = tl.arange(0, HALF)
+        rows3 = rows.to(tl.int64)[:, None, None]
+        x_row = x_ptr + m * stride_xm
+        acc = tl.zeros((BLOCK_N, GROUPS_PER_STEP, HALF), dtype=tl.float32)
+        zacc = tl.zeros((BLOCK_N, GROUPS_PER_STEP), dtype=tl.float32)
+        for g0 in range(0, NUM_GROUPS, GROUPS_PER_STEP):
+            g = g0 + gi  # (GPS,)
+            g_mask = g < NUM_GROUPS
+            mask3 = row_mask[:, None, None] & g_mask[None, :, None]
+            b = tl.load(q_ptr + rows3 * stride_qn + (g * HALF)[None, :, None] + p[None, None, :], mask=mask3, other=0)
+            x_lo = tl.load(x_row + (g * GROUP)[:, None] + p[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + (g * GROUP + HALF)[:, None] + p[None, :], mask=g_mask[:, None],
+                           other=0.0).to(tl.float32)
+            mask2 = row_mask[:, None] & g_mask[None, :]
+            sz = rows.to(tl.int64)[:, None] * stride_sn + g[None, :]
+            s = tl.load(s_ptr + sz, mask=mask2, other=0.0).to(tl.float32)  # (BLOCK_N, GPS)
+            z = tl.load(z_ptr + sz, mask=mask2, other=0.0).to(tl.float32)
+            lo = (b & 15).to(tl.float32)
+            hi = (b >> 4).to(tl.float32)
+            acc += s[:, :, None] * (lo * x_lo[None, :, :] + hi * x_hi[None, :, :])
+            zacc += s * z * tl.sum(x_lo + x_hi, axis=1)[None, :]
+        y = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(zacc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        if INTERPRETED:
+            y = round_rne(y, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+    @triton.jit
+    def _w4_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, NUM_GROUPS, stride_xm, stride_qn, stride_sn,
+                        stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+                        INTERPRETED: tl.constexpr):
+        HALF: tl.constexpr = GROUP // 2
+        pid = tl.program_id(0)
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+        size_m = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        p = tl.arange(0, HALF)
+        m_mask, n_mask = offs_m < M, offs_n < N
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + p[None, :]
+        q_ptrs = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + p[None, :]
+        sz_ptrs = offs_n.to(tl.int64) * stride_sn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g in range(0, NUM_GROUPS):
+            a_lo = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            a_hi = tl.load(x_ptrs + HALF, mask=m_mask[:, None], other=0.0)
+            b = tl.load(q_ptrs, mask=n_mask[:, None], other=0)
+            s = tl.load(s_ptr + sz_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            z = tl.load(z_ptr + sz_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            w_lo = ((b & 15).to(tl.float32) - z) * s  # (BLOCK_N, HALF)
+            w_hi = ((b >> 4).to(tl.float32) - z) * s
+            if INTERPRETED:  # the interpreter's tl.dot mishandles bf16: fp32 operands rounded as the GPU rounds
+                w_lo = round_rne(w_lo, x_ptr.dtype.element_ty)
+                w_hi = round_rne(w_hi, x_ptr.dtype.element_ty)
+                acc = tl.dot(a_lo.to(tl.float32), tl.trans(w_lo), acc, input_precision="ieee")
+                acc = tl.dot(a_hi.to(tl.float32), tl.trans(w_hi), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a_lo, tl.trans(w_lo.to(a_lo.dtype)), acc, input_precision=PRECISION)
+                acc = tl.dot(a_hi, tl.trans(w_hi.to(a_hi.dtype)), acc, input_precision=PRECISION)
+            x_ptrs += GROUP
+            q_ptrs += HALF
+        y = acc
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if INTERPRETED:
+            y = round_rne(y, out_ptr.dtype.element_ty)
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def choose_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages)``; ``BLOCK_M == 1`` selects the GEMV kernel
+    (``GROUPS_PER_STEP`` is used by the GEMV only)."""
+    if m == 1:
+        return (1, 8 if k < n else 4, max(1, 256 // group_size), 4, 4)
+    if m <= 16:
+        return (16, 32, 1, 4, 4)
+    if m <= 64:
+        return (64, 64, 1, 4, 4)
+    return (128, 128, 1, 8, 3)
+
+
+@llmplug_op("w4_linear")
+def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int, bias: torch.Tensor | None, block_m: int, block_n: int, groups_per_step: int,
+                  num_warps: int, num_stages: int) -> torch.Tensor:
+    if not use_triton(x):
+        return w4_linear_ref(x, qweight, scales, zeros, group_size, bias)
+    assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
+    m, k = x.shape
+    n = qweight.shape[0]
+    out = x.new_empty((m, n))
+    b = bias if bias is not None else scales
+    common = dict(HAS_BIAS=bias is not None, GROUP=group_size, BLOCK_N=block_n, INTERPRETED=INTERPRET,
+                  num_warps=num_warps, num_stages=num_stages)
+    args = (x, qweight, scales, zeros, b, out)
+    if block_m == 1:
+        maybe_wrap(_w4_gemv_kernel)[(m, triton.cdiv(n, block_n))](
+            *args, n, k // group_size, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+            GROUPS_PER_STEP=groups_per_step, **common)
+    else:
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+        maybe_wrap(_w4_gemm_kernel)[grid](
+            *args, m, n, k // group_size, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+            BLOCK_M=block_m, GROUP_M=8, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common)
+    return out
+
+
+@_w4_linear_op.register_fake
+def _(x, qweight, scales, zeros, group_size, bias, block_m, block_n, groups_per_step, num_warps, num_stages):
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None = None, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for the packed int4 ``W`` without materialising it.
+
+    Args:
+        x: ``(M, K)`` with unit stride along K, float32 / bfloat16 / float16.
+        qweight: ``(N, K // 2)`` uint8, contiguous.
+        scales, zeros: ``(N, K // group_size)`` contiguous (zeros hold integers in ``[0, 15]``).
+        group_size: one of 32, 64, 128, 256.
+        bias: optional ``(N,)``.
+        config: ``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages)``; default :func:`choose_config`.
+
+    Returns:
+        ``(M, N)`` in ``x.dtype``.
+    """
+    n, half = qweight.shape
+    k = 2 * half
+    if qweight.dtype != torch.uint8:
+        raise ValueError(f"qweight.dtype={qweight.dtype} must be torch.uint8 (two int4 values a byte)")
+    if group_size not in (32, 64, 128, 256) or k % group_size:
+        raise ValueError(f"group_size={group_size} must be one of (32, 64, 128, 256) and divide K={k}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
+    if scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
+        raise ValueError(f"scales and zeros must be ({n}, {k // group_size}), got {tuple(scales.shape)} and "
+                         f"{tuple(zeros.shape)}")
+    config = config or choose_config(x.shape[0], n, k, group_size)
+    return call_op(_w4_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,
+                   *config)

@@ -1,0 +1,155 @@
+"""Weight-only 8-bit linear: ``y = (x @ q^T) * scales (+ bias)`` for int8 or fp8 (e4m3) weights, one scale per row.
+
+``x: (M, K)`` in the model dtype, ``q: (N, K)`` int8 or float8_e4m3fn, ``scales: (N,)`` float32. The weights are
+dequantised in registers (no dequantised copy): the per-row scale factors out of the dot product, so the kernels
+multiply raw 8-bit values and scale the finished sums.
+
+Two kernels: a GEMV for one token (decode at batch 1: a stream of weight reads, each program owning a few whole
+rows) and a tiled GEMM with tensor cores for everything else. :func:`choose_config` picks tiles per token count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+
+WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def w8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference in fp32: ``x: (M, K)``, ``qweight: (N, K)``, ``scales: (N,)`` -> ``(M, N)`` in ``x.dtype``."""
+    y = (x.float() @ qweight.float().t()) * scales
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _w8_gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_om,
+                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        INTERPRETED: tl.constexpr):
+        m = tl.program_id(0)  # tokens vary fastest, so programs sharing weight rows run together (L2 reuse)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+        cols = tl.arange(0, BLOCK_K)
+        q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qn + cols[None, :]
+        x_row = x_ptr + m * stride_xm
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_mask = (k + cols) < K
+            w = tl.load(q_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            xk = tl.load(x_row + k + cols, mask=k_mask, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * xk[None, :]
+            q_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        if INTERPRETED:
+            y = round_rne(y, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+    @triton.jit
+    def _w8_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+        # grouped launch order: GROUP_M row tiles share each weight column tile while it is in L2
+        pid = tl.program_id(0)
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        group = pid // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        size_m = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask, n_mask = offs_m < M, offs_n < N
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+        q_ptrs = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_mask = (k + offs_k) < K
+            a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(q_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if INTERPRETED:  # the interpreter's tl.dot mishandles bf16 (numpy has none): multiply in fp32 there
+                acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PRECISION)
+            x_ptrs += BLOCK_K
+            q_ptrs += BLOCK_K
+        y = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if INTERPRETED:
+            y = round_rne(y, out_ptr.dtype.element_ty)
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; ``BLOCK_M == 1`` selects the GEMV kernel."""
+    if m == 1:
+        return (1, 8 if k < n else 4, 512, 4, 4)
+    if m <= 16:
+        return (16, 32, 256, 4, 4)
+    if m <= 64:
+        return (64, 64, 128, 4, 4)
+    return (128, 128, 64, 8, 3)
+
+
+@llmplug_op("w8_linear")
+def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                  block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
+    if not use_triton(x):
+        return w8_linear_ref(x, qweight, scales, bias)
+    assert x.stride(1) == 1 and qweight.is_contiguous() and scales.dtype == torch.float32, "w8_linear layout"
+    m, k = x.shape
+    n = qweight.shape[0]
+    out = x.new_empty((m, n))
+    b = bias if bias is not None else scales
+    if block_m == 1:
+        maybe_wrap(_w8_gemv_kernel)[(m, triton.cdiv(n, block_n))](
+            x, qweight, scales, b, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)), INTERPRETED=INTERPRET,
+            num_warps=num_warps, num_stages=num_stages)
+    else:
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+        maybe_wrap(_w8_gemm_kernel)[grid](
+            x, qweight, scales, b, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=max(16, min(block_k, next_pow2(k))),
+            GROUP_M=8, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRETED=INTERPRET,
+            num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+@_w8_linear_op.register_fake
+def _(x, qweight, scales, bias, block_m, block_n, block_k, num_warps, num_stages):
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+              config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``x @ (qweight * scales[:, None])^T (+ bias)`` without materialising the dequantised weight.
+
+    Args:
+        x: ``(M, K)`` with unit stride along K, float32 / bfloat16 / float16.
+        qweight: ``(N, K)`` int8 or float8_e4m3fn, contiguous.
+        scales: ``(N,)`` float32.
+        bias: optional ``(N,)``.
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; default :func:`choose_config`.
+
+    Returns:
+        ``(M, N)`` in ``x.dtype``.
+    """
+    if qweight.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"qweight.dtype={qweight.dtype} is not supported; choose one of {WEIGHT_DTYPES}")
+    if x.dim() != 2 or x.shape[1] != qweight.shape[1]:
+        raise ValueError(f"x must be (M, {qweight.shape[1]}), got {tuple(x.shape)}")
+    if scales.shape != (qweight.shape[0],):
+        raise ValueError(f"scales must be ({qweight.shape[0]},), got {tuple(scales.shape)}")
+    config = config or choose_config(x.shape[0], *qweight.shape)
+    return call_op(_w8_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias, *config)

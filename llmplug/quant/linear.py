@@ -1,0 +1,116 @@
+"""``QuantLinear``: an ``nn.Linear`` stand-in holding quantized weights, and the kernel choice per token count."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..ops.act_mul import act_and_mul
+from ..ops.fp8_linear import fp8_linear, scaled_mm_supported
+from ..ops.w4_linear import w4_linear
+from ..ops.w8_linear import w8_linear
+from .formats import quantize_fp8, quantize_int4, quantize_int8
+
+METHODS = ("int8", "int4", "fp8")
+
+# NOTE: token count from which fp8 runs on FP8 tensor cores (activations quantized per token) instead of the
+# weight-only kernel; placeholder until measured by benchmarks/quant_sweep.py.
+FP8_GEMM_MIN_TOKENS = 64
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` stored quantized (layouts in :mod:`llmplug.quant.formats`).
+
+    Buffers: ``qweight`` (int8 / float8_e4m3fn ``(N, K)``, or uint8 ``(N, K // 2)`` for int4), ``scales``
+    (``(N,)`` float32, or ``(N, K // G)`` for int4) and, for int4, ``zeros`` ``(N, K // G)``. ``bias`` stays a
+    parameter in the model dtype. Works under the stock HF forward and llmplug's fused one alike.
+    """
+
+    def __init__(self, in_features: int, out_features: int, method: str, group_size: int = 128, bias: bool = False,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"method={method!r} is not supported; choose one of {METHODS}")
+        if method == "int4" and (in_features % group_size or group_size % 2):
+            raise ValueError(f"in_features={in_features} is not a multiple of group_size={group_size}")
+        self.in_features, self.out_features = in_features, out_features
+        self.method, self.group_size, self.dtype = method, group_size if method == "int4" else 0, dtype
+        n, k = out_features, in_features
+        if method == "int4":
+            self.register_buffer("qweight", torch.empty((n, k // 2), dtype=torch.uint8, device=device))
+            self.register_buffer("scales", torch.empty((n, k // group_size), dtype=dtype, device=device))
+            self.register_buffer("zeros", torch.empty((n, k // group_size), dtype=dtype, device=device))
+        else:
+            qdtype = torch.int8 if method == "int8" else torch.float8_e4m3fn
+            self.register_buffer("qweight", torch.empty((n, k), dtype=qdtype, device=device))
+            self.register_buffer("scales", torch.empty((n,), dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.empty(n, dtype=dtype, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, method: str, group_size: int = 128) -> QuantLinear:
+        """Quantize ``linear``'s weight (the original module is left as it is)."""
+        w = linear.weight.detach()
+        q = cls(linear.in_features, linear.out_features, method, group_size, linear.bias is not None, w.dtype,
+                w.device)
+        if method == "int8":
+            q.qweight, q.scales = quantize_int8(w)
+        elif method == "fp8":
+            q.qweight, q.scales = quantize_fp8(w)
+        else:
+            q.qweight, q.scales, q.zeros = quantize_int4(w, group_size)
+        if linear.bias is not None:
+            q.bias.data.copy_(linear.bias.detach())
+        return q
+
+    def matmul(self, x: torch.Tensor, activation: str = "") -> torch.Tensor:
+        """``x: (M, K)`` (or ``(M, 2K)`` gate/up with ``activation``) -> ``(M, N)``, kernel chosen by ``M``."""
+        if activation:
+            x = act_and_mul(x, activation)
+        if self.method == "int4":
+            return w4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+        if self.method == "fp8" and x.shape[0] >= FP8_GEMM_MIN_TOKENS and self._fp8_gemm_ok(x):
+            return fp8_linear(x, self.qweight, self.scales, self.bias)
+        return w8_linear(x, self.qweight, self.scales, self.bias)
+
+    def _fp8_gemm_ok(self, x: torch.Tensor) -> bool:
+        n, k = self.qweight.shape
+        return x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and scaled_mm_supported(x.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: (..., K)`` -> ``(..., N)``."""
+        return self.matmul(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.method == "int4" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}{group}, " \
+               f"bias={self.bias is not None}"
+
+
+def fuse_quant_linears(mods: list[QuantLinear], log) -> QuantLinear:
+    """One ``QuantLinear`` whose rows are ``mods``' rows (fused q/k/v or gate/up); each module's buffers become
+    views of the fused ones, so no memory is duplicated. ``log`` (an ``UndoLog``) gives them their own copies back.
+    """
+    first = mods[0]
+    if any((m.method, m.group_size, m.in_features) != (first.method, first.group_size, first.in_features)
+           for m in mods):
+        raise ValueError("only QuantLinears of one method, group size and input width can be fused")
+    has_bias = first.bias is not None
+    fused = QuantLinear(first.in_features, sum(m.out_features for m in mods), first.method, first.group_size or 128,
+                        has_bias, first.dtype, first.qweight.device)
+    for name in fused._buffers:
+        whole = torch.cat([getattr(m, name) for m in mods])
+        setattr(fused, name, whole)
+        start = 0
+        for m in mods:
+            setattr(m, name, whole[start:start + m.out_features])
+            start += m.out_features
+    if has_bias:
+        fused.bias = nn.Parameter(log.fuse_parameters([m.bias for m in mods]), requires_grad=False)
+
+    def undo():
+        for m in mods:
+            for name in fused._buffers:
+                setattr(m, name, getattr(m, name).clone())
+
+    log.record(undo)
+    return fused

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from ._qmm import choose_split_k, gated_input, num_sms, split_k_reduce, u32_to_f32
 from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, round_rne, tl, triton, use_triton
+from .act_mul import act_and_mul, act_and_mul_ref
+from .gemv import ACTIVATIONS
 
 
 def w4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -31,36 +34,34 @@ def w4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 if triton is not None:
 
     @triton.jit
-    def _w4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, NUM_GROUPS, stride_xm, stride_qn, stride_sn,
-                        stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                        GROUPS_PER_STEP: tl.constexpr, INTERPRETED: tl.constexpr):
+    def _w4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_sn,
+                        stride_om, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, INTERPRETED: tl.constexpr):
         HALF: tl.constexpr = GROUP // 2
+        num_groups = K // GROUP
         m = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         gi = tl.arange(0, GROUPS_PER_STEP)
         p = tl.arange(0, HALF)
-        rows3 = rows.to(tl.int64)[:, None, None]
+        q_rows = q_ptr + rows.to(tl.int64)[:, None, None] * stride_qn
+        sz_rows = rows.to(tl.int64)[:, None] * stride_sn
         x_row = x_ptr + m * stride_xm
-        acc = tl.zeros((BLOCK_N, GROUPS_PER_STEP, HALF), dtype=tl.float32)
-        zacc = tl.zeros((BLOCK_N, GROUPS_PER_STEP), dtype=tl.float32)
-        for g0 in range(0, NUM_GROUPS, GROUPS_PER_STEP):
+        acc = tl.zeros((BLOCK_N, GROUPS_PER_STEP), dtype=tl.float32)
+        for g0 in range(0, num_groups, GROUPS_PER_STEP):
             g = g0 + gi  # (GPS,)
-            g_mask = g < NUM_GROUPS
+            g_mask = g < num_groups
             mask3 = row_mask[:, None, None] & g_mask[None, :, None]
-            b = tl.load(q_ptr + rows3 * stride_qn + (g * HALF)[None, :, None] + p[None, None, :], mask=mask3, other=0)
-            x_lo = tl.load(x_row + (g * GROUP)[:, None] + p[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
-            x_hi = tl.load(x_row + (g * GROUP + HALF)[:, None] + p[None, :], mask=g_mask[:, None],
-                           other=0.0).to(tl.float32)
+            b = tl.load(q_rows + (g * HALF)[None, :, None] + p[None, None, :], mask=mask3, other=0).to(tl.uint32)
+            x_lo = gated_input(x_row, (g * GROUP)[:, None] + p[None, :], g_mask[:, None], K, ACT, INTERPRETED)
+            x_hi = gated_input(x_row, (g * GROUP + HALF)[:, None] + p[None, :], g_mask[:, None], K, ACT, INTERPRETED)
             mask2 = row_mask[:, None] & g_mask[None, :]
-            sz = rows.to(tl.int64)[:, None] * stride_sn + g[None, :]
-            s = tl.load(s_ptr + sz, mask=mask2, other=0.0).to(tl.float32)  # (BLOCK_N, GPS)
-            z = tl.load(z_ptr + sz, mask=mask2, other=0.0).to(tl.float32)
-            lo = (b & 15).to(tl.float32)
-            hi = (b >> 4).to(tl.float32)
-            acc += s[:, :, None] * (lo * x_lo[None, :, :] + hi * x_hi[None, :, :])
-            zacc += s * z * tl.sum(x_lo + x_hi, axis=1)[None, :]
-        y = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(zacc, axis=1)
+            s = tl.load(s_ptr + sz_rows + g[None, :], mask=mask2, other=0.0).to(tl.float32)  # (BLOCK_N, GPS)
+            z = tl.load(z_ptr + sz_rows + g[None, :], mask=mask2, other=0.0).to(tl.float32)
+            # per group: s * (sum(q * x) - z * sum(x)); q decoded exactly without int->float conversions
+            dot = tl.sum(u32_to_f32(b & 15) * x_lo[None, :, :] + u32_to_f32(b >> 4) * x_hi[None, :, :], axis=2)
+            acc += s * (dot - z * tl.sum(x_lo + x_hi, axis=1)[None, :])
+        y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         if INTERPRETED:
@@ -68,10 +69,10 @@ if triton is not None:
         tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
     @triton.jit
-    def _w4_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, NUM_GROUPS, stride_xm, stride_qn, stride_sn,
-                        stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-                        INTERPRETED: tl.constexpr):
+    def _w4_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn,
+                        stride_sn, stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
         HALF: tl.constexpr = GROUP // 2
         pid = tl.program_id(0)
         tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -79,22 +80,24 @@ if triton is not None:
         size_m = min(tiles_m - first_m, GROUP_M)
         pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
         pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+        g_start = tl.program_id(1) * GROUPS_PER_SPLIT
+        g_end = min(K // GROUP, g_start + GROUPS_PER_SPLIT)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         p = tl.arange(0, HALF)
         m_mask, n_mask = offs_m < M, offs_n < N
-        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + p[None, :]
-        q_ptrs = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + p[None, :]
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + g_start * GROUP + p[None, :]
+        q_ptrs = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + g_start * HALF + p[None, :]
         sz_ptrs = offs_n.to(tl.int64) * stride_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(0, NUM_GROUPS):
+        for g in range(g_start, g_end):
             a_lo = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             a_hi = tl.load(x_ptrs + HALF, mask=m_mask[:, None], other=0.0)
-            b = tl.load(q_ptrs, mask=n_mask[:, None], other=0)
+            b = tl.load(q_ptrs, mask=n_mask[:, None], other=0).to(tl.uint32)
             s = tl.load(s_ptr + sz_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
             z = tl.load(z_ptr + sz_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            w_lo = ((b & 15).to(tl.float32) - z) * s  # (BLOCK_N, HALF)
-            w_hi = ((b >> 4).to(tl.float32) - z) * s
+            w_lo = (u32_to_f32(b & 15) - z) * s  # (BLOCK_N, HALF)
+            w_hi = (u32_to_f32(b >> 4) - z) * s
             if INTERPRETED:  # the interpreter's tl.dot mishandles bf16: fp32 operands rounded as the GPU rounds
                 w_lo = round_rne(w_lo, x_ptr.dtype.element_ty)
                 w_hi = round_rne(w_hi, x_ptr.dtype.element_ty)
@@ -105,69 +108,86 @@ if triton is not None:
                 acc = tl.dot(a_hi, tl.trans(w_hi.to(a_hi.dtype)), acc, input_precision=PRECISION)
             x_ptrs += GROUP
             q_ptrs += HALF
-        y = acc
-        if HAS_BIAS:
-            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if INTERPRETED:
-            y = round_rne(y, out_ptr.dtype.element_ty)
-        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT_K > 1:  # fp32 partial sums; split_k_reduce adds them up with the bias
+            ws = out_ptr + tl.program_id(1).to(tl.int64) * M * N
+            tl.store(ws + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], acc, mask=mask)
+        else:
+            y = acc
+            if HAS_BIAS:
+                y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if INTERPRETED:
+                y = round_rne(y, out_ptr.dtype.element_ty)
+            out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def choose_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages)``; ``BLOCK_M == 1`` selects the GEMV kernel
-    (``GROUPS_PER_STEP`` is used by the GEMV only)."""
+def choose_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV
+    (``GROUPS_PER_STEP`` is the GEMV's), ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide."""
     if m == 1:
-        return (1, 8 if k < n else 4, max(1, 256 // group_size), 4, 4)
+        return (1, 8 if k < n else 4, max(1, 256 // group_size), 4, 4, 1)
     if m <= 16:
-        return (16, 32, 1, 4, 4)
+        return (16, 32, 1, 4, 4, 0)
     if m <= 64:
-        return (64, 64, 1, 4, 4)
-    return (128, 128, 1, 8, 3)
+        return (64, 64, 1, 4, 4, 0)
+    return (128, 128, 1, 8, 3, 0)
 
 
 @llmplug_op("w4_linear")
 def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  group_size: int, bias: torch.Tensor | None, block_m: int, block_n: int, groups_per_step: int,
-                  num_warps: int, num_stages: int) -> torch.Tensor:
+                  group_size: int, bias: torch.Tensor | None, activation: str, block_m: int, block_n: int,
+                  groups_per_step: int, num_warps: int, num_stages: int, split_k: int) -> torch.Tensor:
     if not use_triton(x):
-        return w4_linear_ref(x, qweight, scales, zeros, group_size, bias)
+        return w4_linear_ref(act_and_mul_ref(x, activation) if activation else x, qweight, scales, zeros, group_size,
+                             bias)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
-    m, k = x.shape
-    n = qweight.shape[0]
+    m = x.shape[0]
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
     out = x.new_empty((m, n))
     b = bias if bias is not None else scales
     common = dict(HAS_BIAS=bias is not None, GROUP=group_size, BLOCK_N=block_n, INTERPRETED=INTERPRET,
                   num_warps=num_warps, num_stages=num_stages)
-    args = (x, qweight, scales, zeros, b, out)
     if block_m == 1:
         maybe_wrap(_w4_gemv_kernel)[(m, triton.cdiv(n, block_n))](
-            *args, n, k // group_size, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-            GROUPS_PER_STEP=groups_per_step, **common)
-    else:
-        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-        maybe_wrap(_w4_gemm_kernel)[grid](
-            *args, m, n, k // group_size, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-            BLOCK_M=block_m, GROUP_M=8, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common)
-    return out
+            x, qweight, scales, zeros, b, out, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+            ACT=activation, GROUPS_PER_STEP=groups_per_step, **common)
+        return out
+    assert not activation, "the fused activation is for one-token GEMVs"
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    groups = k // group_size
+    split = split_k or choose_split_k(tiles, groups, num_sms(x.device))
+    per_split = triton.cdiv(groups, split)
+    split = triton.cdiv(groups, per_split)
+    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    maybe_wrap(_w4_gemm_kernel)[(tiles, split)](
+        x, qweight, scales, zeros, b, dest, m, n, k, per_split, x.stride(0), qweight.stride(0), scales.stride(0),
+        out.stride(0), BLOCK_M=block_m, SPLIT_K=split, GROUP_M=8,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common)
+    return out if split == 1 else split_k_reduce(dest, bias, out)
 
 
 @_w4_linear_op.register_fake
-def _(x, qweight, scales, zeros, group_size, bias, block_m, block_n, groups_per_step, num_warps, num_stages):
+def _(x, qweight, scales, zeros, group_size, bias, activation, block_m, block_n, groups_per_step, num_warps,
+      num_stages, split_k):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, activation: str = "",
+              config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the packed int4 ``W`` without materialising it.
 
     Args:
-        x: ``(M, K)`` with unit stride along K, float32 / bfloat16 / float16.
+        x: ``(M, K)`` with unit stride along K, float32 / bfloat16 / float16; with ``activation``, ``(M, 2K)`` =
+            ``cat([gate, up])`` and ``act(gate) * up`` is the input (fused into the one-token GEMV).
         qweight: ``(N, K // 2)`` uint8, contiguous.
         scales, zeros: ``(N, K // group_size)`` contiguous (zeros hold integers in ``[0, 15]``).
         group_size: one of 32, 64, 128, 256.
         bias: optional ``(N,)``.
-        config: ``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages)``; default :func:`choose_config`.
+        activation: ``""``, ``"silu"`` or ``"gelu_tanh"``.
+        config: ``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K)``; default
+            :func:`choose_config`.
 
     Returns:
         ``(M, N)`` in ``x.dtype``.
@@ -178,11 +198,15 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         raise ValueError(f"qweight.dtype={qweight.dtype} must be torch.uint8 (two int4 values a byte)")
     if group_size not in (32, 64, 128, 256) or k % group_size:
         raise ValueError(f"group_size={group_size} must be one of (32, 64, 128, 256) and divide K={k}")
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
+    if x.dim() != 2 or x.shape[1] != (2 * k if activation else k):
+        raise ValueError(f"x must be (M, {2 * k if activation else k}), got {tuple(x.shape)}")
     if scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
         raise ValueError(f"scales and zeros must be ({n}, {k // group_size}), got {tuple(scales.shape)} and "
                          f"{tuple(zeros.shape)}")
+    if activation and x.shape[0] > 1:
+        x, activation = act_and_mul(x, activation), ""
     config = config or choose_config(x.shape[0], n, k, group_size)
     return call_op(_w4_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,
-                   *config)
+                   activation, *config)

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from ._qmm import choose_split_k, gated_input, num_sms, split_k_reduce, w8_to_f32
 from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from .act_mul import act_and_mul, act_and_mul_ref
+from .gemv import ACTIVATIONS
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -30,7 +33,7 @@ if triton is not None:
 
     @triton.jit
     def _w8_gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_om,
-                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         INTERPRETED: tl.constexpr):
         m = tl.program_id(0)  # tokens vary fastest, so programs sharing weight rows run together (L2 reuse)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -42,8 +45,8 @@ if triton is not None:
         for k in range(0, K, BLOCK_K):
             k_mask = (k + cols) < K
             w = tl.load(q_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            xk = tl.load(x_row + k + cols, mask=k_mask, other=0.0).to(tl.float32)
-            acc += w.to(tl.float32) * xk[None, :]
+            xk = gated_input(x_row, k + cols, k_mask, K, ACT, INTERPRETED)
+            acc += w8_to_f32(w) * xk[None, :]
             q_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
         if HAS_BIAS:
@@ -53,103 +56,125 @@ if triton is not None:
         tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
     @triton.jit
-    def _w8_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om,
+    def _w8_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                        SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+                        INTERPRETED: tl.constexpr):
         # grouped launch order: GROUP_M row tiles share each weight column tile while it is in L2
         pid = tl.program_id(0)
         tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-        group = pid // (GROUP_M * tiles_n)
-        first_m = group * GROUP_M
+        first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
         size_m = min(tiles_m - first_m, GROUP_M)
         pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
         pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+        k_start = tl.program_id(1) * K_PER_SPLIT
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_k = k_start + tl.arange(0, BLOCK_K)
         m_mask, n_mask = offs_m < M, offs_n < N
         x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
         q_ptrs = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_mask = (k + offs_k) < K
+        for k in range(k_start, min(K, k_start + K_PER_SPLIT), BLOCK_K):
+            k_mask = (k - k_start + offs_k) < K
             a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(q_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w = w8_to_f32(tl.load(q_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0))
             if INTERPRETED:  # the interpreter's tl.dot mishandles bf16 (numpy has none): multiply in fp32 there
-                acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+                acc = tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PRECISION)
             x_ptrs += BLOCK_K
             q_ptrs += BLOCK_K
         y = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-        if HAS_BIAS:
-            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if INTERPRETED:
-            y = round_rne(y, out_ptr.dtype.element_ty)
-        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT_K > 1:  # fp32 partial sums; split_k_reduce adds them up with the bias
+            ws = out_ptr + tl.program_id(1).to(tl.int64) * M * N
+            tl.store(ws + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], y, mask=mask)
+        else:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if INTERPRETED:
+                y = round_rne(y, out_ptr.dtype.element_ty)
+            out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; ``BLOCK_M == 1`` selects the GEMV kernel."""
+def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV kernel,
+    ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide."""
     if m == 1:
-        return (1, 8 if k < n else 4, 512, 4, 4)
+        return (1, 8 if k < n else 4, 512, 4, 4, 1)
     if m <= 16:
-        return (16, 32, 256, 4, 4)
+        return (16, 32, 256, 4, 4, 0)
     if m <= 64:
-        return (64, 64, 128, 4, 4)
-    return (128, 128, 64, 8, 3)
+        return (64, 64, 128, 4, 4, 0)
+    return (128, 128, 64, 8, 3, 0)
 
 
 @llmplug_op("w8_linear")
 def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                  block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
+                  activation: str, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+                  split_k: int) -> torch.Tensor:
     if not use_triton(x):
-        return w8_linear_ref(x, qweight, scales, bias)
+        return w8_linear_ref(act_and_mul_ref(x, activation) if activation else x, qweight, scales, bias)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.dtype == torch.float32, "w8_linear layout"
-    m, k = x.shape
-    n = qweight.shape[0]
+    m = x.shape[0]
+    n, k = qweight.shape
     out = x.new_empty((m, n))
     b = bias if bias is not None else scales
     if block_m == 1:
         maybe_wrap(_w8_gemv_kernel)[(m, triton.cdiv(n, block_n))](
             x, qweight, scales, b, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)), INTERPRETED=INTERPRET,
-            num_warps=num_warps, num_stages=num_stages)
-    else:
-        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-        maybe_wrap(_w8_gemm_kernel)[grid](
-            x, qweight, scales, b, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=max(16, min(block_k, next_pow2(k))),
-            GROUP_M=8, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRETED=INTERPRET,
-            num_warps=num_warps, num_stages=num_stages)
-    return out
+            HAS_BIAS=bias is not None, ACT=activation, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)),
+            INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        return out
+    assert not activation, "the fused activation is for one-token GEMVs"
+    block_k = max(16, min(block_k, next_pow2(k)))
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = split_k or choose_split_k(tiles, triton.cdiv(k, block_k), num_sms(x.device))
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+    split = triton.cdiv(k, k_per_split)
+    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    maybe_wrap(_w8_gemm_kernel)[(tiles, split)](
+        x, qweight, scales, b, dest, m, n, k, k_per_split, x.stride(0), qweight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_M=8,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRETED=INTERPRET, num_warps=num_warps,
+        num_stages=num_stages)
+    return out if split == 1 else split_k_reduce(dest, bias, out)
 
 
 @_w8_linear_op.register_fake
-def _(x, qweight, scales, bias, block_m, block_n, block_k, num_warps, num_stages):
+def _(x, qweight, scales, bias, activation, block_m, block_n, block_k, num_warps, num_stages, split_k):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-              config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+              activation: str = "", config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
     """``x @ (qweight * scales[:, None])^T (+ bias)`` without materialising the dequantised weight.
 
     Args:
-        x: ``(M, K)`` with unit stride along K, float32 / bfloat16 / float16.
+        x: ``(M, K)`` with unit stride along K, float32 / bfloat16 / float16; with ``activation``, ``(M, 2K)`` =
+            ``cat([gate, up])`` and ``act(gate) * up`` is the input (fused into the one-token GEMV).
         qweight: ``(N, K)`` int8 or float8_e4m3fn, contiguous.
         scales: ``(N,)`` float32.
         bias: optional ``(N,)``.
-        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; default :func:`choose_config`.
+        activation: ``""``, ``"silu"`` or ``"gelu_tanh"``.
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; default :func:`choose_config`.
 
     Returns:
         ``(M, N)`` in ``x.dtype``.
     """
+    n, k = qweight.shape
     if qweight.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"qweight.dtype={qweight.dtype} is not supported; choose one of {WEIGHT_DTYPES}")
-    if x.dim() != 2 or x.shape[1] != qweight.shape[1]:
-        raise ValueError(f"x must be (M, {qweight.shape[1]}), got {tuple(x.shape)}")
-    if scales.shape != (qweight.shape[0],):
-        raise ValueError(f"scales must be ({qweight.shape[0]},), got {tuple(scales.shape)}")
-    config = config or choose_config(x.shape[0], *qweight.shape)
-    return call_op(_w8_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias, *config)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
+    if x.dim() != 2 or x.shape[1] != (2 * k if activation else k):
+        raise ValueError(f"x must be (M, {2 * k if activation else k}), got {tuple(x.shape)}")
+    if scales.shape != (n,):
+        raise ValueError(f"scales must be ({n},), got {tuple(scales.shape)}")
+    if activation and x.shape[0] > 1:
+        x, activation = act_and_mul(x, activation), ""
+    config = config or choose_config(x.shape[0], n, k)
+    return call_op(_w8_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias, activation,
+                   *config)

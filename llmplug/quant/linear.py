@@ -14,7 +14,9 @@ from .formats import quantize_fp8, quantize_int4, quantize_int8
 METHODS = ("int8", "int4", "fp8")
 
 # NOTE: token count from which fp8 runs on FP8 tensor cores (activations quantized per token) instead of the
-# weight-only kernel; placeholder until measured by benchmarks/quant_sweep.py.
+# weight-only kernel. H100, 2026-11-22, benchmarks/quant_sweep.py, us for 8B qkv / o / gate_up / down: at 32 tokens
+# weight-only 20.7 / 14.9 / 55.4 / 42.5, scaled_mm 19.9 / 16.5 / 54.1 / 48.5; at 64, 31.2 / 30.8 / 70.8 / 96.7
+# against 17.7 / 16.1 / 56.2 / 45.4.
 FP8_GEMM_MIN_TOKENS = 64
 
 
@@ -63,14 +65,15 @@ class QuantLinear(nn.Module):
         return q
 
     def matmul(self, x: torch.Tensor, activation: str = "") -> torch.Tensor:
-        """``x: (M, K)`` (or ``(M, 2K)`` gate/up with ``activation``) -> ``(M, N)``, kernel chosen by ``M``."""
-        if activation:
-            x = act_and_mul(x, activation)
+        """``x: (M, K)`` (or ``(M, 2K)`` gate/up with ``activation``, applied as ``act(gate) * up``) -> ``(M, N)``.
+
+        The kernel is chosen by ``M``; one-token GEMVs fuse the activation into their input loads.
+        """
         if self.method == "int4":
-            return w4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+            return w4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, activation)
         if self.method == "fp8" and x.shape[0] >= FP8_GEMM_MIN_TOKENS and self._fp8_gemm_ok(x):
-            return fp8_linear(x, self.qweight, self.scales, self.bias)
-        return w8_linear(x, self.qweight, self.scales, self.bias)
+            return fp8_linear(act_and_mul(x, activation) if activation else x, self.qweight, self.scales, self.bias)
+        return w8_linear(x, self.qweight, self.scales, self.bias, activation)
 
     def _fp8_gemm_ok(self, x: torch.Tensor) -> bool:
         n, k = self.qweight.shape

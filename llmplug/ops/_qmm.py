@@ -1,0 +1,97 @@
+"""Pieces shared by the quantized matmul ops (``w8_linear``, ``w4_linear``): cheap integer decoding, the fused
+gated activation of one-token GEMVs, and split-K (a partial-sum workspace and its reduction kernel).
+
+Integer decoding: ``int -> float`` conversion instructions run at a quarter of the FMA rate on Hopper, which caps
+a GEMV reading one int8 per multiply well below the memory bandwidth. Instead a small unsigned integer ``u < 2^23``
+is OR-ed into the mantissa of ``2^23`` and ``2^23`` subtracted back (bitwise OR plus one FADD, full rate, exact).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import INTERPRET, maybe_wrap, round_rne, tl, triton
+
+MAGIC = 8388608.0  # 2^23: float(bits(2^23) | u) == 2^23 + u for u < 2^23
+
+if triton is not None:
+
+    @triton.jit
+    def u32_to_f32(u):
+        """Exact float of a uint32 tensor with values below 2^23."""
+        return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def w8_to_f32(w):
+        """int8 (two's complement) or float8e4nv weights -> float32."""
+        if w.dtype == tl.int8:
+            u = (w.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint32)  # q + 128 in [1, 255]
+            return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
+        else:
+            return w.to(tl.float32)
+
+    @triton.jit
+    def gated_input(gate_ptr, offs, mask, K, ACT: tl.constexpr, INTERPRETED: tl.constexpr):
+        """``act(gate[offs]) * gate[K + offs]`` in fp32, rounded to the input dtype as the unfused kernel stores it;
+        with ``ACT == ""`` just ``x[offs]``."""
+        x = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if ACT != "":
+            up = tl.load(gate_ptr + K + offs, mask=mask, other=0.0).to(tl.float32)
+            if ACT == "silu":
+                x = x / (1.0 + tl.exp(-x))
+            else:  # gelu_tanh
+                inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+                x = 0.5 * x * (2.0 / (1.0 + tl.exp(-2.0 * inner)))
+            if INTERPRETED:
+                x = round_rne(x * up, gate_ptr.dtype.element_ty)
+            else:
+                x = (x * up).to(gate_ptr.dtype.element_ty).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _split_k_reduce_kernel(ws_ptr, b_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < MN
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(SPLIT_K):
+            acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        if INTERPRETED:
+            acc = round_rne(acc, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def split_k_reduce(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``out (M, N) = ws.sum(0) + bias`` for the fp32 partial sums ``ws: (SPLIT_K, M, N)``."""
+    split, m, n = ws.shape
+    block = 1024
+    maybe_wrap(_split_k_reduce_kernel)[(triton.cdiv(m * n, block),)](
+        ws, bias if bias is not None else ws, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block,
+        INTERPRETED=INTERPRET, num_warps=4)
+    return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (8 for the CPU interpreter, so tests exercise split-K)."""
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def choose_split_k(tiles: int, k_steps: int, sms: int, min_steps: int = 4) -> int:
+    """Split the K loop until the grid covers the GPU about twice, keeping ``min_steps`` K steps per split.
+
+    Skinny products (a handful of tokens times a narrow output) otherwise leave most SMs idle.
+    """
+    split = 1
+    while tiles * split < 2 * sms and k_steps // (split * 2) >= min_steps and split < 16:
+        split *= 2
+    return split

@@ -103,11 +103,12 @@ def main() -> None:
                 row["bf16_gemv"] = {"us": t * 1e6, "gbs": (wbytes["bf16"] + 2 * m * (k + n)) / t / 1e9,
                                     "tflops": flops / t / 1e12}
             runs = {
-                "int8": (lambda w, cfg, x=x, act=act: w8_linear(x, *w, activation=act, config=cfg),
+                "int8": (lambda w, cfg, x=x, act=act: w8_linear(act_and_mul(x, act) if act else x, *w, config=cfg),
                          lambda w, xin=xin: w8_linear_ref(xin, *w)),
-                "fp8_wo": (lambda w, cfg, x=x, act=act: w8_linear(x, *w, activation=act, config=cfg),
+                "fp8_wo": (lambda w, cfg, x=x, act=act: w8_linear(act_and_mul(x, act) if act else x, *w, config=cfg),
                            lambda w, xin=xin: w8_linear_ref(xin, *w)),
-                "int4": (lambda w, cfg, x=x, act=act: w4_linear(x, *w, 128, activation=act, config=cfg),
+                "int4": (lambda w, cfg, x=x, act=act: w4_linear(act_and_mul(x, act) if act else x, *w, 128,
+                                                                config=cfg),
                          lambda w, xin=xin: w4_linear_ref(xin, *w, 128)),
             }
             for method, (fn, ref) in runs.items():

@@ -1,5 +1,5 @@
-"""Pieces shared by the quantized matmul ops (``w8_linear``, ``w4_linear``): cheap integer decoding, the fused
-gated activation of one-token GEMVs, and split-K (a partial-sum workspace and its reduction kernel).
+"""Pieces shared by the quantized matmul ops (``w8_linear``, ``w4_linear``): cheap integer decoding and split-K
+(a partial-sum workspace and its reduction kernel).
 
 Integer decoding: ``int -> float`` conversion instructions run at a quarter of the FMA rate on Hopper, which caps
 a GEMV reading one int8 per multiply well below the memory bandwidth. Instead a small unsigned integer ``u < 2^23``
@@ -29,24 +29,6 @@ if triton is not None:
             return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
         else:
             return w.to(tl.float32)
-
-    @triton.jit
-    def gated_input(gate_ptr, offs, mask, K, ACT: tl.constexpr, INTERPRETED: tl.constexpr):
-        """``act(gate[offs]) * gate[K + offs]`` in fp32, rounded to the input dtype as the unfused kernel stores it;
-        with ``ACT == ""`` just ``x[offs]``."""
-        x = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if ACT != "":
-            up = tl.load(gate_ptr + K + offs, mask=mask, other=0.0).to(tl.float32)
-            if ACT == "silu":
-                x = x / (1.0 + tl.exp(-x))
-            else:  # gelu_tanh
-                inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-                x = 0.5 * x * (2.0 / (1.0 + tl.exp(-2.0 * inner)))
-            if INTERPRETED:
-                x = round_rne(x * up, gate_ptr.dtype.element_ty)
-            else:
-                x = (x * up).to(gate_ptr.dtype.element_ty).to(tl.float32)
-        return x
 
     @triton.jit
     def _split_k_reduce_kernel(ws_ptr, b_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,

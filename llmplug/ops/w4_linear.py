@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ._qmm import choose_split_k, gated_input, num_sms, split_k_reduce, u32_to_f32
+from ._qmm import choose_split_k, num_sms, split_k_reduce, u32_to_f32
 from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, round_rne, tl, triton, use_triton
-from .act_mul import act_and_mul, act_and_mul_ref
-from .gemv import ACTIVATIONS
 
 
 def w4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -35,7 +33,7 @@ if triton is not None:
 
     @triton.jit
     def _w4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_sn,
-                        stride_om, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr,
+                        stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, INTERPRETED: tl.constexpr):
         HALF: tl.constexpr = GROUP // 2
         num_groups = K // GROUP
@@ -53,8 +51,9 @@ if triton is not None:
             g_mask = g < num_groups
             mask3 = row_mask[:, None, None] & g_mask[None, :, None]
             b = tl.load(q_rows + (g * HALF)[None, :, None] + p[None, None, :], mask=mask3, other=0).to(tl.uint32)
-            x_lo = gated_input(x_row, (g * GROUP)[:, None] + p[None, :], g_mask[:, None], K, ACT, INTERPRETED)
-            x_hi = gated_input(x_row, (g * GROUP + HALF)[:, None] + p[None, :], g_mask[:, None], K, ACT, INTERPRETED)
+            x_lo = tl.load(x_row + (g * GROUP)[:, None] + p[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + (g * GROUP + HALF)[:, None] + p[None, :], mask=g_mask[:, None],
+                           other=0.0).to(tl.float32)
             mask2 = row_mask[:, None] & g_mask[None, :]
             s = tl.load(s_ptr + sz_rows + g[None, :], mask=mask2, other=0.0).to(tl.float32)  # (BLOCK_N, GPS)
             z = tl.load(z_ptr + sz_rows + g[None, :], mask=mask2, other=0.0).to(tl.float32)
@@ -124,9 +123,16 @@ if triton is not None:
 
 def choose_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV
-    (``GROUPS_PER_STEP`` is the GEMV's), ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide."""
+    (``GROUPS_PER_STEP`` is the GEMV's), ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
+
+    NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; bf16
+    cuBLAS in brackets). One token (1, 4, 4 groups, 4, 3): 14.7 / 10.5 / 51.7 / 32.2 [20.4 / 15.6 / 81.3 / 51.1], the
+    best of 8 configs on every shape but only 0.9-1.2 TB/s: the GEMV is bound by decode instructions, not bytes.
+    4-16 tokens (16, 32, 1, 4, 4, split-K by heuristic): 17.0 / 12.2 / 57.3 / 33.4. 64 tokens (64, 64): 27.8 / 18.5 /
+    92.6 / 56.5, 16% slower than cuBLAS bf16 [20.6 / 14.8 / 86.9 / 46.3].
+    """
     if m == 1:
-        return (1, 8 if k < n else 4, max(1, 256 // group_size), 4, 4, 1)
+        return (1, 4, max(1, 512 // group_size), 4, 3, 1)
     if m <= 16:
         return (16, 32, 1, 4, 4, 0)
     if m <= 64:
@@ -136,11 +142,10 @@ def choose_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, in
 
 @llmplug_op("w4_linear")
 def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  group_size: int, bias: torch.Tensor | None, activation: str, block_m: int, block_n: int,
+                  group_size: int, bias: torch.Tensor | None, block_m: int, block_n: int,
                   groups_per_step: int, num_warps: int, num_stages: int, split_k: int) -> torch.Tensor:
     if not use_triton(x):
-        return w4_linear_ref(act_and_mul_ref(x, activation) if activation else x, qweight, scales, zeros, group_size,
-                             bias)
+        return w4_linear_ref(x, qweight, scales, zeros, group_size, bias)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
     m = x.shape[0]
     n, k = qweight.shape[0], 2 * qweight.shape[1]
@@ -151,9 +156,8 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if block_m == 1:
         maybe_wrap(_w4_gemv_kernel)[(m, triton.cdiv(n, block_n))](
             x, qweight, scales, zeros, b, out, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-            ACT=activation, GROUPS_PER_STEP=groups_per_step, **common)
+            GROUPS_PER_STEP=groups_per_step, **common)
         return out
-    assert not activation, "the fused activation is for one-token GEMVs"
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     groups = k // group_size
     split = split_k or choose_split_k(tiles, groups, num_sms(x.device))
@@ -168,24 +172,22 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
 
 @_w4_linear_op.register_fake
-def _(x, qweight, scales, zeros, group_size, bias, activation, block_m, block_n, groups_per_step, num_warps,
+def _(x, qweight, scales, zeros, group_size, bias, block_m, block_n, groups_per_step, num_warps,
       num_stages, split_k):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None, activation: str = "",
+              bias: torch.Tensor | None = None,
               config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the packed int4 ``W`` without materialising it.
 
     Args:
-        x: ``(M, K)`` with unit stride along K, float32 / bfloat16 / float16; with ``activation``, ``(M, 2K)`` =
-            ``cat([gate, up])`` and ``act(gate) * up`` is the input (fused into the one-token GEMV).
+        x: ``(M, K)`` with unit stride along K, float32 / bfloat16 / float16.
         qweight: ``(N, K // 2)`` uint8, contiguous.
         scales, zeros: ``(N, K // group_size)`` contiguous (zeros hold integers in ``[0, 15]``).
         group_size: one of 32, 64, 128, 256.
         bias: optional ``(N,)``.
-        activation: ``""``, ``"silu"`` or ``"gelu_tanh"``.
         config: ``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K)``; default
             :func:`choose_config`.
 
@@ -198,15 +200,11 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         raise ValueError(f"qweight.dtype={qweight.dtype} must be torch.uint8 (two int4 values a byte)")
     if group_size not in (32, 64, 128, 256) or k % group_size:
         raise ValueError(f"group_size={group_size} must be one of (32, 64, 128, 256) and divide K={k}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
-    if x.dim() != 2 or x.shape[1] != (2 * k if activation else k):
-        raise ValueError(f"x must be (M, {2 * k if activation else k}), got {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
     if scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
         raise ValueError(f"scales and zeros must be ({n}, {k // group_size}), got {tuple(scales.shape)} and "
                          f"{tuple(zeros.shape)}")
-    if activation and x.shape[0] > 1:
-        x, activation = act_and_mul(x, activation), ""
     config = config or choose_config(x.shape[0], n, k, group_size)
     return call_op(_w4_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,
-                   activation, *config)
+                   *config)

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ._qmm import choose_split_k, gated_input, num_sms, split_k_reduce, w8_to_f32
+from ._qmm import choose_split_k, num_sms, split_k_reduce, w8_to_f32
 from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
-from .act_mul import act_and_mul, act_and_mul_ref
-from .gemv import ACTIVATIONS
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -33,7 +31,7 @@ if triton is not None:
 
     @triton.jit
     def _w8_gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_om,
-                        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         INTERPRETED: tl.constexpr):
         m = tl.program_id(0)  # tokens vary fastest, so programs sharing weight rows run together (L2 reuse)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -45,7 +43,7 @@ if triton is not None:
         for k in range(0, K, BLOCK_K):
             k_mask = (k + cols) < K
             w = tl.load(q_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            xk = gated_input(x_row, k + cols, k_mask, K, ACT, INTERPRETED)
+            xk = tl.load(x_row + k + cols, mask=k_mask, other=0.0).to(tl.float32)
             acc += w8_to_f32(w) * xk[None, :]
             q_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
@@ -101,22 +99,29 @@ if triton is not None:
 
 def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV kernel,
-    ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide."""
+    ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
+
+    NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; bf16
+    cuBLAS in brackets). One token, int8 (1, 4, 1024, 4, 3): 12.4 / 8.6 / 44.0 / 23.3 [20.4 / 15.6 / 81.3 / 51.1],
+    within 0.4 us of each shape's best. 4-16 tokens (16, 32, 256, 4, 4, split-K by heuristic): 16.3 / 12.4 / 53.3 /
+    31.0. 64 tokens (64, 128, 128, 4, 3): about cuBLAS bf16 (23.1 / 18.0 / 82.3 / 46.4 [20.6 / 14.8 / 86.9 / 46.3]).
+    From 256 tokens on, these GEMMs reach 240-500 TFLOP/s against cuBLAS bf16's 550-800: prefill is slower than bf16.
+    """
     if m == 1:
-        return (1, 8 if k < n else 4, 512, 4, 4, 1)
+        return (1, 4, 1024, 4, 3, 1)
     if m <= 16:
         return (16, 32, 256, 4, 4, 0)
     if m <= 64:
-        return (64, 64, 128, 4, 4, 0)
+        return (64, 128, 128, 4, 3, 0)
     return (128, 128, 64, 8, 3, 0)
 
 
 @llmplug_op("w8_linear")
 def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                  activation: str, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+                  block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
                   split_k: int) -> torch.Tensor:
     if not use_triton(x):
-        return w8_linear_ref(act_and_mul_ref(x, activation) if activation else x, qweight, scales, bias)
+        return w8_linear_ref(x, qweight, scales, bias)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.dtype == torch.float32, "w8_linear layout"
     m = x.shape[0]
     n, k = qweight.shape
@@ -125,10 +130,9 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if block_m == 1:
         maybe_wrap(_w8_gemv_kernel)[(m, triton.cdiv(n, block_n))](
             x, qweight, scales, b, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, ACT=activation, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)),
+            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)),
             INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         return out
-    assert not activation, "the fused activation is for one-token GEMVs"
     block_k = max(16, min(block_k, next_pow2(k)))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = split_k or choose_split_k(tiles, triton.cdiv(k, block_k), num_sms(x.device))
@@ -144,21 +148,19 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
 
 @_w8_linear_op.register_fake
-def _(x, qweight, scales, bias, activation, block_m, block_n, block_k, num_warps, num_stages, split_k):
+def _(x, qweight, scales, bias, block_m, block_n, block_k, num_warps, num_stages, split_k):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-              activation: str = "", config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+              config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
     """``x @ (qweight * scales[:, None])^T (+ bias)`` without materialising the dequantised weight.
 
     Args:
-        x: ``(M, K)`` with unit stride along K, float32 / bfloat16 / float16; with ``activation``, ``(M, 2K)`` =
-            ``cat([gate, up])`` and ``act(gate) * up`` is the input (fused into the one-token GEMV).
+        x: ``(M, K)`` with unit stride along K, float32 / bfloat16 / float16.
         qweight: ``(N, K)`` int8 or float8_e4m3fn, contiguous.
         scales: ``(N,)`` float32.
         bias: optional ``(N,)``.
-        activation: ``""``, ``"silu"`` or ``"gelu_tanh"``.
         config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; default :func:`choose_config`.
 
     Returns:
@@ -167,14 +169,9 @@ def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
     n, k = qweight.shape
     if qweight.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"qweight.dtype={qweight.dtype} is not supported; choose one of {WEIGHT_DTYPES}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
-    if x.dim() != 2 or x.shape[1] != (2 * k if activation else k):
-        raise ValueError(f"x must be (M, {2 * k if activation else k}), got {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
     if scales.shape != (n,):
         raise ValueError(f"scales must be ({n},), got {tuple(scales.shape)}")
-    if activation and x.shape[0] > 1:
-        x, activation = act_and_mul(x, activation), ""
     config = config or choose_config(x.shape[0], n, k)
-    return call_op(_w8_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias, activation,
-                   *config)
+    return call_op(_w8_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias, *config)

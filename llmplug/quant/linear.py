@@ -67,13 +67,16 @@ class QuantLinear(nn.Module):
     def matmul(self, x: torch.Tensor, activation: str = "") -> torch.Tensor:
         """``x: (M, K)`` (or ``(M, 2K)`` gate/up with ``activation``, applied as ``act(gate) * up``) -> ``(M, N)``.
 
-        The kernel is chosen by ``M``; one-token GEMVs fuse the activation into their input loads.
+        The kernel is chosen by ``M``. NOTE: the activation stays a kernel of its own: fused into the one-token
+        GEMVs it cost more than it saved (H100, 8B down projection, int8 30.8 us fused against 23.3 + ~3 us).
         """
+        if activation:
+            x = act_and_mul(x, activation)
         if self.method == "int4":
-            return w4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, activation)
+            return w4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
         if self.method == "fp8" and x.shape[0] >= FP8_GEMM_MIN_TOKENS and self._fp8_gemm_ok(x):
-            return fp8_linear(act_and_mul(x, activation) if activation else x, self.qweight, self.scales, self.bias)
-        return w8_linear(x, self.qweight, self.scales, self.bias, activation)
+            return fp8_linear(x, self.qweight, self.scales, self.bias)
+        return w8_linear(x, self.qweight, self.scales, self.bias)
 
     def _fp8_gemm_ok(self, x: torch.Tensor) -> bool:
         n, k = self.qweight.shape

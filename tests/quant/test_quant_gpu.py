@@ -1,0 +1,51 @@
+"""Quantized kernels and models on the GPU at full size (run through the device tool)."""
+
+import pytest
+import torch
+
+import llmplug
+from llmplug.ops.fp8_linear import fp8_linear, fp8_linear_ref
+from llmplug.ops.w4_linear import w4_linear, w4_linear_ref
+from llmplug.ops.w8_linear import w8_linear, w8_linear_ref
+from llmplug.quant.formats import quantize_fp8, quantize_int4, quantize_int8, sqnr_db
+from tests.tiny_models import make_model, pad, prompts
+from tests.tolerances import KERNEL_VS_REF_SQNR_DB, QUANT_SQNR_DB
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_kernels_at_8b_shapes(m, n, k):
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    exact = x.double() @ w.double().t()
+    q8 = quantize_int8(w)
+    out = w8_linear(x, *q8)
+    assert sqnr_db(w8_linear_ref(x, *q8), out) >= KERNEL_VS_REF_SQNR_DB
+    assert sqnr_db(exact, out) >= QUANT_SQNR_DB["int8"]
+    q4 = quantize_int4(w, 128)
+    out = w4_linear(x, *q4, 128)
+    assert sqnr_db(w4_linear_ref(x, *q4, 128), out) >= KERNEL_VS_REF_SQNR_DB
+    assert sqnr_db(exact, out) >= QUANT_SQNR_DB["int4"]
+    qf = quantize_fp8(w)
+    out = w8_linear(x, *qf)
+    assert sqnr_db(w8_linear_ref(x, *qf), out) >= KERNEL_VS_REF_SQNR_DB
+    if torch.cuda.get_device_capability() >= (8, 9):
+        out = fp8_linear(x, *qf)
+        assert sqnr_db(fp8_linear_ref(x, *qf), out) >= KERNEL_VS_REF_SQNR_DB
+        assert sqnr_db(exact, out) >= QUANT_SQNR_DB["fp8"]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_quantized_model_graphs_match_eager(method):
+    """Decode under CUDA graphs gives the tokens the eager path gives, for a quantized bf16 model."""
+    model = make_model("llama", dtype=torch.bfloat16).cuda()
+    ids, mask = pad(prompts(3))
+    ids, mask = ids.cuda(), mask.cuda()
+    llmplug.optimize(model, quantize=method, group_size=32, cuda_graphs=False)
+    eager = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    llmplug.unoptimize(model)
+    llmplug.optimize(model, quantize=method, group_size=32)
+    graphs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(graphs, eager)

@@ -25,7 +25,9 @@ class QuantLinear(nn.Module):
 
     Buffers: ``qweight`` (int8 / float8_e4m3fn ``(N, K)``, or uint8 ``(N, K // 2)`` for int4), ``scales``
     (``(N,)`` float32, or ``(N, K // G)`` for int4) and, for int4, ``zeros`` ``(N, K // G)``. ``bias`` stays a
-    parameter in the model dtype. Works under the stock HF forward and llmplug's fused one alike.
+    parameter in the model dtype. ``perm`` (``(K,)`` int64, or None) gathers the input features first,
+    ``x[:, perm]``: act-order GPTQ checkpoints store their groups in that order (:mod:`llmplug.quant.import_4bit`).
+    Works under the stock HF forward and llmplug's fused one alike.
     """
 
     def __init__(self, in_features: int, out_features: int, method: str, group_size: int = 128, bias: bool = False,
@@ -46,6 +48,7 @@ class QuantLinear(nn.Module):
             qdtype = torch.int8 if method == "int8" else torch.float8_e4m3fn
             self.register_buffer("qweight", torch.empty((n, k), dtype=qdtype, device=device))
             self.register_buffer("scales", torch.empty((n,), dtype=torch.float32, device=device))
+        self.register_buffer("perm", None)
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     @classmethod
@@ -72,6 +75,8 @@ class QuantLinear(nn.Module):
         """
         if activation:
             x = act_and_mul(x, activation)
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
         if self.method == "int4":
             return w4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
         if self.method == "fp8" and x.shape[0] >= FP8_GEMM_MIN_TOKENS and self._fp8_gemm_ok(x):
@@ -95,15 +100,22 @@ class QuantLinear(nn.Module):
 def fuse_quant_linears(mods: list[QuantLinear], log) -> QuantLinear:
     """One ``QuantLinear`` whose rows are ``mods``' rows (fused q/k/v or gate/up); each module's buffers become
     views of the fused ones, so no memory is duplicated. ``log`` (an ``UndoLog``) gives them their own copies back.
+    Input permutations (``perm``) must be equal; the fused module shares it.
     """
     first = mods[0]
     if any((m.method, m.group_size, m.in_features) != (first.method, first.group_size, first.in_features)
            for m in mods):
         raise ValueError("only QuantLinears of one method, group size and input width can be fused")
+    if any((m.perm is None) != (first.perm is None) or (m.perm is not None and not torch.equal(m.perm, first.perm))
+           for m in mods):
+        raise NotImplementedError("cannot fuse QuantLinears whose inputs are permuted differently (act-order "
+                                  "checkpoints with different g_idx across q/k/v or gate/up)")
     has_bias = first.bias is not None
     fused = QuantLinear(first.in_features, sum(m.out_features for m in mods), first.method, first.group_size or 128,
                         has_bias, first.dtype, first.qweight.device)
-    for name in fused._buffers:
+    rows = [name for name in fused._buffers if name != "perm"]
+    fused.perm = first.perm
+    for name in rows:
         whole = torch.cat([getattr(m, name) for m in mods])
         setattr(fused, name, whole)
         start = 0
@@ -115,7 +127,7 @@ def fuse_quant_linears(mods: list[QuantLinear], log) -> QuantLinear:
 
     def undo():
         for m in mods:
-            for name in fused._buffers:
+            for name in rows:
                 setattr(m, name, getattr(m, name).clone())
 
     log.record(undo)

@@ -153,8 +153,7 @@ def _engine(stock: torch.nn.Module, num_blocks: int, cfg: SoakConfig, **override
     engine_cfg.update(overrides)
     if engine_cfg["preemption_mode"] == "swap":
         cache = fast._llmplug_runner.ensure_cache()
-        per_block = 2 * cache.k[:, 0].numel() * cache.k.element_size()
-        engine_cfg["swap_space_gb"] = cfg.swap_blocks * per_block / 1e9
+        engine_cfg["swap_space_gb"] = cfg.swap_blocks * cache.block_bytes / 1e9
     return Engine(fast, EngineConfig(**engine_cfg))
 
 

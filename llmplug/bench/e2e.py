@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -70,14 +71,19 @@ def _stock(model):
 
 def run(model_name: str, device: str, dtype: torch.dtype, *, new_tokens: int = 256, static: bool = True,
         ttft: bool = True, batches: tuple[int, ...] = STATIC_BATCHES, repeats: int = 3,
-        stock_batches: bool = True) -> dict:
-    """Measure batch-1 decode, TTFT, static batches and greedy agreement for stock HF and llmplug on one model."""
+        stock_batches: bool = True, batch_prompts: tuple[int, int] = (32, 1024)) -> dict:
+    """Measure batch-1 decode, TTFT, static batches and greedy agreement for stock HF and llmplug on one model.
+
+    The static batches' prompt lengths are drawn from ``batch_prompts`` (inclusive), capped so that prompt plus
+    ``new_tokens`` fits the model's positions.
+    """
     model = build(model_name, dtype, device)
     vocab = model.config.vocab_size
     context = getattr(model.config, "max_position_embeddings", max(TTFT_PROMPTS) + 1)
     ttft_prompts = [n for n in TTFT_PROMPTS if n < context]
+    lo, hi = batch_prompts[0], min(batch_prompts[1], context - new_tokens)
     res: dict = {"model": model_name, "dtype": str(dtype), "weight_bytes": weight_bytes(model),
-                 "new_tokens": new_tokens}
+                 "new_tokens": new_tokens, "batch_prompts": (lo, hi)}
     one = _left_pad(_random_prompts(1, 128, 128, vocab, seed=1), device)
     gen = dict(max_new_tokens=new_tokens, do_sample=False)
     agree_rows = _left_pad(_random_prompts(16, 64, 64, vocab, seed=2), device)
@@ -85,7 +91,7 @@ def run(model_name: str, device: str, dtype: torch.dtype, *, new_tokens: int = 2
     steps = ["stock eager b1", "stock static+compile b1" if static else None, "stock ttft" if ttft else None,
              "stock batches" if stock_batches else None, "llmplug warm-up", "llmplug b1",
              "llmplug ttft" if ttft else None, "llmplug batches", "agreement"]
-    bar = tqdm(total=sum(s is not None for s in steps), desc=f"e2e {model_name}")
+    bar = tqdm(total=sum(s is not None for s in steps), desc=f"e2e {Path(model_name).name}")
 
     def step(name):
         bar.set_postfix_str(name)
@@ -102,7 +108,7 @@ def run(model_name: str, device: str, dtype: torch.dtype, *, new_tokens: int = 2
                                                    device, repeats=repeats)
         step("stock static+compile b1")
         torch._dynamo.reset()
-    batches_in = {b: _left_pad(_random_prompts(b, 32, 1024, vocab, seed=10 + b), device) for b in batches}
+    batches_in = {b: _left_pad(_random_prompts(b, lo, hi, vocab, seed=10 + b), device) for b in batches}
     if ttft:
         res["stock_ttft"] = {n: time_call(lambda n=n: stock(**_left_pad(_random_prompts(1, n, n, vocab, 3), device),
                                                                max_new_tokens=1), device, repeats=repeats)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.decode_attention import decode_attention
+from ..ops.kv_quant import quantize_ref
 from ..ops.prefill_attention import prefill_attention
 
 H, HKV, D, P = 32, 8, 128, 16
@@ -58,19 +59,26 @@ def prefill(seq_lens=(1024, 4096, 8192), tokens: int = 16384, dtype=torch.bfloat
     return out
 
 
-def decode(batches=(1, 8, 64), contexts=(1024, 8192, 32768), dtype=torch.bfloat16, read_bw: float = 0.0) -> dict:
-    """Paged decode attention GB/s over the K/V bytes it must read, and the fraction of read bandwidth."""
+def decode(batches=(1, 8, 64), contexts=(1024, 8192, 32768), dtype=torch.bfloat16, read_bw: float = 0.0,
+           kv_cache_dtype: torch.dtype | None = None) -> dict:
+    """Paged decode attention GB/s over the K/V bytes it must read (scales included for an fp8/int8
+    ``kv_cache_dtype``), and the fraction of read bandwidth."""
     out = {}
     for b in batches:
         for ctx in contexts:
             blocks = b * ctx // P
             k_cache = torch.randn(blocks, P, HKV, D, dtype=dtype, device="cuda")
             v_cache = torch.randn_like(k_cache)
+            scales = {}
+            if kv_cache_dtype is not None:
+                (k_cache, k_scale), (v_cache, v_scale) = (quantize_ref(c, kv_cache_dtype) for c in (k_cache, v_cache))
+                scales = {name: s.transpose(1, 2).contiguous() for name, s in (("k_scale", k_scale),
+                                                                                ("v_scale", v_scale))}
             bt = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, ctx // P)
             seq = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
             q = torch.randn(b, H, D, dtype=dtype, device="cuda")
-            t = _bench(partial(decode_attention, q, k_cache, v_cache, bt, seq, D**-0.5))
-            nbytes = 2 * b * ctx * HKV * D * k_cache.element_size()
+            t = _bench(partial(decode_attention, q, k_cache, v_cache, bt, seq, D**-0.5, **scales))
+            nbytes = 2 * b * ctx * HKV * (D * k_cache.element_size() + (4 if scales else 0))
             row = {"s": t, "gb_per_s": nbytes / t / 1e9}
             if read_bw:
                 row["fraction_of_read_bw"] = nbytes / t / read_bw

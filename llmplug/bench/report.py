@@ -45,26 +45,27 @@ def e2e_table(r: dict, ceil: dict) -> list[str]:
     new = r["new_tokens"]
     bw = ceil.get("read_bytes_per_s")
     roof = bw / r["weight_bytes"] if bw else None
-    lines = [f"## {r['model']} ({r['dtype']}, weights {r['weight_bytes'] / 1e9:.2f} GB)"]
+    lines = [f"## {Path(r['model']).name} ({r['dtype']}, weights {r['weight_bytes'] / 1e9:.2f} GB)"]
     if roof:
         lines.append(f"batch-1 roofline: {roof:.1f} tok/s (weights / measured read bandwidth {bw / 1e12:.2f} TB/s)")
-    lines.append(f"{'what':38s} {'stock eager':>12s} {'stock static':>13s} {'llmplug':>10s} {'x best stock':>12s}"
+    lines.append(f"{'what':42s} {'stock eager':>12s} {'stock static':>13s} {'llmplug':>10s} {'x best stock':>12s}"
                  f" {'% roofline':>10s}")
     b1 = {k: new / r[k]["median"] for k in ("stock_eager_b1", "stock_static_compile_b1", "llmplug_b1") if k in r}
     best = max(v for k, v in b1.items() if k != "llmplug_b1")
     frac = f"{100 * b1['llmplug_b1'] / roof:9.1f}%" if roof else f"{'-':>10s}"
-    lines.append(f"{f'batch-1 decode tok/s (128 in, {new} out)':38s} {b1['stock_eager_b1']:12.1f} "
+    lines.append(f"{f'batch-1 decode tok/s (128 in, {new} out)':42s} {b1['stock_eager_b1']:12.1f} "
                  f"{b1.get('stock_static_compile_b1', float('nan')):13.1f} {b1['llmplug_b1']:10.1f} "
                  f"{b1['llmplug_b1'] / best:11.2f}x {frac}")
     for n in r.get("llmplug_ttft", {}):
         s, o = r["stock_ttft"][n]["median"], r["llmplug_ttft"][n]["median"]
-        lines.append(f"{f'TTFT ms, {n}-token prompt':38s} {1e3 * s:12.1f} {'':13s} {1e3 * o:10.1f} "
+        lines.append(f"{f'TTFT ms, {n}-token prompt':42s} {1e3 * s:12.1f} {'':13s} {1e3 * o:10.1f} "
                      f"{s / o:11.2f}x")
+    lo, hi = r.get("batch_prompts", (32, 1024))
     for b, t in r["llmplug_batches"].items():
         ours = r["batch_output_tokens"][b] / t["median"]
         st = r.get("stock_batches", {}).get(b)
         theirs = r["batch_output_tokens"][b] / st["median"] if st else float("nan")
-        lines.append(f"{f'static batch {b} output tok/s':38s} {theirs:12.1f} {'':13s} {ours:10.1f} "
+        lines.append(f"{f'static batch {b} output tok/s ({lo}-{hi} in)':42s} {theirs:12.1f} {'':13s} {ours:10.1f} "
                      f"{ours / theirs:11.2f}x")
     lines.append(f"warm-up s: stock static+compile {r.get('stock_static_compile_warmup_s', float('nan')):.1f}, "
                  f"llmplug {r['llmplug_warmup_s']:.1f}")
@@ -76,6 +77,21 @@ def e2e_table(r: dict, ceil: dict) -> list[str]:
                  f"(teacher-forced {100 * base['teacher_forced_argmax']:.1f}%)")
     if "llmplug_peak_memory_bytes" in r:
         lines.append(f"llmplug peak memory {r['llmplug_peak_memory_bytes'] / 2**30:.1f} GiB (KV pool included)")
+    return lines
+
+
+def sample_lines(r: dict) -> list[str]:
+    """Lines of the text sample ``r`` (``sample.run``): each prompt's greedy continuation from stock HF, then from
+    llmplug, prompt included."""
+    lines = [f"## text sample: {r['model']} ({r['params'] / 1e6:.1f}M parameters), greedy, {r['new_tokens']} new "
+             f"tokens, {r['dtype']}"]
+    for s in r["samples"]:
+        verdict = "identical to stock HF"
+        if not s["identical"]:  # expected now and then in bf16, where a near-tie can round either way
+            verdict = (f"{'DIFFERS' if r['dtype'] == str(torch.float32) else 'differs'} from stock HF from new token "
+                       f"{s['first_difference'] + 1} on")
+        lines += [f"--- stock HF, prompt {s['prompt']!r}", s["prompt"] + s["stock"],
+                  f"--- llmplug, prompt {s['prompt']!r} ({verdict})", s["prompt"] + s["llmplug"]]
     return lines
 
 

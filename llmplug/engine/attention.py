@@ -20,34 +20,38 @@ RUNTIME_ATTR = "_llmplug_runtime"
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                    softcap: float | None = None, stored: bool = False) -> torch.Tensor:
+                    softcap: float | None = None, stored: bool = False, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Store ``k, v`` into the pages (unless ``stored``: the caller already did) and attend.
 
     Args:
         q: ``(T, H, D)``; k, v: ``(T, Hkv, D)`` (strided views allowed, last dim contiguous).
-        k_cache, v_cache: ``(num_blocks, P, Hkv, D)`` this layer's pages.
+        k_cache, v_cache: ``(num_blocks, P, Hkv, D)`` this layer's pages (model dtype, or fp8/int8).
         meta: the step's :class:`AttentionMetadata`.
+        k_scale, v_scale: ``(num_blocks, Hkv, P)`` fp32 scales of fp8/int8 pages; None otherwise.
 
     Returns:
         ``(T, H, D)`` contiguous.
     """
     window = -1 if sliding_window is None else int(sliding_window)
     cap = 0.0 if softcap is None else float(softcap)
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     if not stored:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     if meta.is_decode:
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap)
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, **scales)
     nd = meta.num_decodes
     if nd == 0:
         return prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                 meta.max_seqlen_q, scale, window, cap)
+                                 meta.max_seqlen_q, scale, window, cap, **scales)
     # a mixed step: one-token rows on the decode kernel (one K/V read per head group), the rest on the prefill kernel
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens, scale, window, cap)
+    out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens, scale, window, cap,
+                                **scales)
     if nd < q.shape[0]:
         out[nd:] = prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.block_tables[nd:],
                                      meta.cu_seqlens_q[nd:] - nd, meta.context_lens[nd:], meta.max_seqlen_q, scale,
-                                     window, cap)
+                                     window, cap, **scales)
     return out
 
 
@@ -68,9 +72,10 @@ def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if query.shape[0] != 1:
         raise RuntimeError(f"llmplug packs tokens into batch 1, got query batch {query.shape[0]}")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    k_cache, v_cache = runtime.cache.layer(module.layer_idx)
+    k_cache, v_cache, k_scale, v_scale = runtime.cache.layer(module.layer_idx)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = paged_attention(q, k, v, k_cache, v_cache, runtime.meta, scale, sliding_window, softcap)
+    out = paged_attention(q, k, v, k_cache, v_cache, runtime.meta, scale, sliding_window, softcap, k_scale=k_scale,
+                          v_scale=v_scale)
     return out.unsqueeze(0), None
 
 

@@ -93,7 +93,7 @@ class Engine(ServingMixin):
         swap = None
         if self.config.preemption_mode == "swap":
             swap = SwapSpace.sized(self.cache, self.config.swap_space_gb)
-        self.scheduler = Scheduler(self.config, self.blocks, swap, copy_block=self._copy_block)
+        self.scheduler = Scheduler(self.config, self.blocks, swap, copy_block=self.cache.copy_block)
         self.metrics = EngineMetrics(self.config)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         gen = model.generation_config
@@ -271,10 +271,6 @@ class Engine(ServingMixin):
         if rows and len(rows) < len(plan.seqs):
             logits = logits[torch.tensor(rows, device=logits.device)]
         return logits, rows
-
-    def _copy_block(self, src: int, dst: int) -> None:
-        self.cache.k[:, dst] = self.cache.k[:, src]
-        self.cache.v[:, dst] = self.cache.v[:, src]
 
     def _fill_placeholders(self, ids: torch.Tensor, seqs: list[Sequence]) -> None:
         """Overwrite, on the device, the input ids of one-token rows whose token the previous step sampled."""

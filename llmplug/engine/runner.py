@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import OptimizeConfig
-from ..kv.cache import PagedKVCache
+from ..kv.cache import PagedKVCache, kv_storage_dtype
 from .attention import ATTENTION_NAME
 from .metadata import AttentionMetadata
 
@@ -57,6 +57,7 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or getattr(text, "max_position_embeddings", 8192)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.cache: PagedKVCache | None = None
         self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._pool = None  # one CUDA-graph memory pool shared by every captured graph
@@ -80,7 +81,7 @@ class ModelRunner:
         """Allocate the KV pool on first use (sized by ``kv_num_blocks`` or ``kv_memory_fraction``)."""
         if self.cache is None:
             per_block = PagedKVCache.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
-                                                     self.head_dim, self.dtype)
+                                                     self.head_dim, self.kv_dtype)
             n = self.config.kv_num_blocks
             if n is None:
                 n = PagedKVCache.budget_bytes(self.device, self.config.kv_memory_fraction) // per_block
@@ -88,7 +89,7 @@ class ModelRunner:
             if n < 1:
                 raise MemoryError(f"no memory left for a single KV page of {per_block} bytes on {self.device}")
             self.cache = PagedKVCache(self.num_layers, n, self.block_size, self.num_kv_heads, self.head_dim,
-                                      self.dtype, self.device)
+                                      self.kv_dtype, self.device)
         return self.cache
 
     def release(self) -> None:

@@ -9,21 +9,20 @@ from .cache import PagedKVCache
 
 
 class SwapSpace:
-    """``k, v: (L, num_blocks, P, Hkv, D)`` on the CPU; blocks are handed out by an allocator of their own."""
+    """CPU twins of the pool's per-block tensors (``k, v: (L, num_blocks, P, Hkv, D)`` and, for an fp8/int8 pool,
+    the scales ``(L, num_blocks, Hkv, P)``); blocks are handed out by an allocator of their own."""
 
     def __init__(self, cache: PagedKVCache, num_blocks: int) -> None:
-        shape = (cache.k.shape[0], num_blocks) + tuple(cache.k.shape[2:])
         pin = cache.k.device.type == "cuda"
-        self.k = torch.empty(shape, dtype=cache.k.dtype, pin_memory=pin)
-        self.v = torch.empty(shape, dtype=cache.v.dtype, pin_memory=pin)
+        self.tensors = [torch.empty((t.shape[0], num_blocks, *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
+                        for t in cache.tensors]
         self.cache = cache
         self.allocator = BlockAllocator(num_blocks)
 
     @classmethod
     def sized(cls, cache: PagedKVCache, gigabytes: float) -> SwapSpace | None:
         """A swap space of ``gigabytes`` (None if that holds no block)."""
-        per_block = 2 * cache.k[:, 0].numel() * cache.k.element_size()
-        n = int(gigabytes * 1e9) // per_block
+        n = int(gigabytes * 1e9) // cache.block_bytes
         return cls(cache, n) if n > 0 else None
 
     def swap_out(self, blocks: list[int]) -> list[int]:
@@ -31,8 +30,8 @@ class SwapSpace:
         slots = self.allocator.allocate(len(blocks))
         src = torch.tensor(blocks, device=self.cache.k.device)
         dst = torch.tensor(slots)
-        self.k[:, dst] = self.cache.k[:, src].cpu()
-        self.v[:, dst] = self.cache.v[:, src].cpu()
+        for host, dev in zip(self.tensors, self.cache.tensors):
+            host[:, dst] = dev[:, src].cpu()
         return slots
 
     def swap_in(self, slots: list[int], blocks: list[int]) -> None:
@@ -40,6 +39,6 @@ class SwapSpace:
         dev = self.cache.k.device
         src = torch.tensor(slots)
         dst = torch.tensor(blocks, device=dev)
-        self.cache.k[:, dst] = self.k[:, src].to(dev, non_blocking=True)
-        self.cache.v[:, dst] = self.v[:, src].to(dev, non_blocking=True)
+        for host, pool in zip(self.tensors, self.cache.tensors):
+            pool[:, dst] = host[:, src].to(dev, non_blocking=True)
         self.allocator.free(slots)

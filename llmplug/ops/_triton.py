@@ -95,12 +95,20 @@ if triton is not None:
     def round_rne(x, DTYPE: tl.constexpr):
         """fp32 ``x`` rounded to ``DTYPE`` (nearest even), kept in fp32: what the GPU's ``x.to(DTYPE)`` gives.
 
-        For the interpreter, whose fp32 -> bf16 casts truncate; kernels call it only when interpreted.
+        For the interpreter, whose fp32 -> bf16 casts truncate and whose fp32 -> fp8 e4m3 casts lose the carry of a
+        round-up; kernels call it only when interpreted. fp8: ``|x| <= 448`` (saturate first).
         """
         if DTYPE == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             return bits.to(tl.float32, bitcast=True)
+        elif DTYPE == tl.float8e4nv:
+            # 3 mantissa bits from 2^-6 up; below, subnormals in steps of 2^-9 (adding 1.5 * 2^14 rounds to them)
+            bits = x.to(tl.uint32, bitcast=True)
+            normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+            tiny = (tl.abs(x) + 24576.0) - 24576.0
+            tiny = tl.where((bits >> 31) != 0, -tiny, tiny)  # keeps the sign of a zero, as the GPU does
+            return tl.where(tl.abs(x) < 0.015625, tiny, normal)
         else:
             return x.to(DTYPE).to(tl.float32)
 

@@ -1,7 +1,8 @@
 """Decode attention over the paged KV cache: one new query token per sequence (flash-decoding).
 
 Cache layout (shared with ``store_kv``): ``k_cache, v_cache: (num_blocks, P, Hkv, D)`` contiguous; sequence ``b``'s
-``i``-th token lives in block ``block_tables[b, i // P]`` at offset ``i % P``.
+``i``-th token lives in block ``block_tables[b, i // P]`` at offset ``i % P``. An fp8/int8 cache comes with
+``k_scale, v_scale: (num_blocks, Hkv, P)`` fp32 (:mod:`llmplug.ops.kv_quant`).
 
 Kernel design:
 
@@ -15,6 +16,11 @@ Kernel design:
 * Inner loop: per tile, load the block ids of its tokens, gather ``BLOCK_N`` K rows (``D`` contiguous elements, stride
   ``Hkv * D`` between tokens of a page: 16-byte loads), ``q @ k^T`` in fp32, online softmax in base 2 (``log2(e)``
   folded into the scale), then ``p @ v``.
+* Quantized cache: K/V tiles are loaded as stored (1 byte an element) and converted to the query dtype in registers
+  (exact: every e4m3 and int8 value is a bf16/fp16 value). A token's K scale multiplies its score column after
+  ``q @ k^T``; its V scale, divided by the tile's largest (so ``p`` keeps its range, which matters in fp16),
+  multiplies its probability column before ``p @ v``, and that largest scale the tile's ``p @ v``. No dequantized
+  copy of the cache is made.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import functools
 import torch
 
 from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from .kv_quant import check_scales, is_quantized, read_pages_ref, tile_v_scales
 from .kv_store import check_caches
 
 LOG2E = 1.4426950408889634
@@ -42,13 +49,15 @@ def decode_attention_ref(
     scale: float,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference (plain PyTorch, no host sync). ``q: (B, H, D)`` -> ``(B, H, D)`` in ``q.dtype``.
 
     Like eager Hugging Face attention: both matmuls in the input dtype, softcap and softmax in fp32 (fp64 for fp64
     inputs). Every sequence gathers all ``block_tables.shape[1]`` pages; positions past ``seq_lens[b]`` (or outside the
     sliding window) are masked, their K/V zeroed (garbage block ids are clamped into range), and rows with
-    ``seq_lens[b] == 0`` come out as zeros.
+    ``seq_lens[b] == 0`` come out as zeros. A quantized cache's gathered pages are dequantized to ``q.dtype`` first.
     """
     bsz, num_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = k_cache.shape
@@ -63,8 +72,10 @@ def decode_attention_ref(
     if sliding_window > 0:
         valid &= pos[None, :] >= n - sliding_window
     mask4 = valid[:, :, None, None]
-    k = torch.where(mask4, k_cache[ids].reshape(bsz, ctx, num_kv_heads, head_dim), 0)
-    v = torch.where(mask4, v_cache[ids].reshape(bsz, ctx, num_kv_heads, head_dim), 0)
+    blocks, offsets = ids[:, :, None].expand(-1, -1, page), torch.arange(page, device=q.device)
+    k = read_pages_ref(k_cache, k_scale, blocks, offsets, q.dtype).reshape(bsz, ctx, num_kv_heads, head_dim)
+    v = read_pages_ref(v_cache, v_scale, blocks, offsets, q.dtype).reshape(bsz, ctx, num_kv_heads, head_dim)
+    k, v = torch.where(mask4, k, 0), torch.where(mask4, v, 0)
 
     qg = q.reshape(bsz, num_kv_heads, group, head_dim)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k).to(acc) * scale
@@ -97,40 +108,18 @@ if triton is not None:
 
     @triton.jit
     def _decode_attn_kernel(
-        q_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        block_tables_ptr,
-        seq_lens_ptr,
-        out_ptr,
-        part_ptr,
-        lse_ptr,
-        score_scale,
-        cap_scale,
-        window,
-        num_heads,
-        stride_qb,
-        stride_qh,
-        stride_cb,
-        stride_cp,
-        stride_ch,
-        stride_bt,
-        stride_ob,
-        stride_oh,
-        GROUP: tl.constexpr,
-        PAGE: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-        SOFTCAP: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_ptr,
+        lse_ptr, score_scale, cap_scale, window, num_heads, stride_qb, stride_qh, stride_cb, stride_cp, stride_ch,
+        stride_sb, stride_sh, stride_bt, stride_ob, stride_oh, GROUP: tl.constexpr, PAGE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
+        # QUANT: fp8/int8 pages with per-token scales.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        dt = q_ptr.dtype.element_ty
 
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
@@ -160,6 +149,8 @@ if triton is not None:
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
         k_base = k_cache_ptr + kvh.to(tl.int64) * stride_ch
         v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
+        ks_base = k_scale_ptr + kvh.to(tl.int64) * stride_sh
+        vs_base = v_scale_ptr + kvh.to(tl.int64) * stride_sh
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -178,7 +169,12 @@ if triton is not None:
             k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             if INTERPRETED:
                 k = k.to(tl.float32)
+            else:
+                k = k.to(dt)  # a no-op unless the cache is quantized
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N) fp32
+            if QUANT:
+                s_rows = blk * stride_sb + in_page
+                qk = qk * tl.load(ks_base + s_rows, mask=n_mask, other=0.0)[None, :]
             if SOFTCAP:
                 s = _tanh(qk * score_scale) * cap_scale
             else:
@@ -191,13 +187,20 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
 
             v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if QUANT:
+                v_ratio, v_max = tile_v_scales(tl.load(vs_base + s_rows, mask=n_mask, other=0.0))
+                p = p * v_ratio[None, :]
             # Like flash attention: P in the input dtype for the PV matmul.
             if INTERPRETED:
-                p = round_rne(p, v.dtype)
+                p = round_rne(p, dt)
                 v = v.to(tl.float32)
             else:
-                p = p.to(v.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+                p = p.to(dt)
+                v = v.to(dt)
+            pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+            if QUANT:
+                pv = pv * v_max
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
 
         has_keys = l_i > 0.0
@@ -261,18 +264,21 @@ def _num_sms(device: torch.device) -> int:
     return _INTERPRETER_SMS
 
 
-def _tile_config(head_dim: int, elem_size: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)`` for a (padded) head dim and element size in bytes."""
+def _tile_config(head_dim: int, elem_size: int, cache_elem_size: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` for a (padded) head dim and the query's and cache's element sizes."""
     # NOTE: untuned. fp16/bf16: 64 tokens per tile up to D=128, else 32, so one K or V tile is <= 16 KiB. fp32 (ieee
     # dots run on FMA units, which need many more registers): 16. Compile-only check (triton 3.9, sm_90a, ptxas): bf16
     # D=128 -> 96-126 registers, 39 KiB shared memory (the pipeliner prefetches the next tile's K/V and the block ids
     # two tiles ahead), so >= 4 programs fit per SM and batch 64 x 8 kv heads = 512 programs is one wave on 132 SMs;
     # bf16 D=256 -> 158 registers (3 per SM); fp32 D<=256 -> <= 128 registers, no spills (fp32 BLOCK_N=32 spilled).
+    # NOTE: untuned. fp8/int8 pages with a bf16/fp16 query: the same tiles on 8 warps. Compile-only check (triton 3.9,
+    # sm_90a, ptxas 13.4): on 4 warps the in-register conversion takes D=128 to 198-222 registers (2 programs, 8 warps
+    # per SM); on 8 warps D=64..256 -> 102-128 registers (at most an 8-byte spill), 14-26 KiB shared memory: 2 programs,
+    # 16 warps per SM, as many warps as bf16's 4 programs x 4.
     if elem_size >= 4:
-        block_n = 16
-    else:
-        block_n = 64 if head_dim <= 128 else 32
-    return block_n, 4, 3
+        return 16, 4, 3
+    block_n = 64 if head_dim <= 128 else 32
+    return block_n, 8 if cache_elem_size == 1 else 4, 3
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
@@ -301,9 +307,12 @@ def _decode_attention_op(
     sliding_window: int,
     softcap: float,
     num_splits: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if not use_triton(q):
-        return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
+                                    k_scale, v_scale)
     assert q.stride(-1) == 1, "q needs unit stride on the last dim"
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
     assert k_cache.shape == v_cache.shape, "k_cache and v_cache must have one shape (the kernel shares their strides)"
@@ -315,7 +324,7 @@ def _decode_attention_op(
         return out
 
     block_d = max(16, next_pow2(head_dim))
-    block_n, num_warps, num_stages = _tile_config(block_d, q.element_size())
+    block_n, num_warps, num_stages = _tile_config(block_d, q.element_size(), k_cache.element_size())
     max_context = block_tables.shape[1] * page
     if sliding_window > 0:
         max_context = min(max_context, sliding_window + block_n)
@@ -332,10 +341,13 @@ def _decode_attention_op(
         score_scale, cap_scale = scale / softcap, softcap * LOG2E
     else:
         score_scale, cap_scale = scale * LOG2E, 1.0
+    quant = k_scale is not None
     maybe_wrap(_decode_attn_kernel)[(bsz, num_kv_heads, splits)](
         q,
         k_cache,
         v_cache,
+        k_scale if quant else k_cache,  # placeholders, never touched
+        v_scale if quant else v_cache,
         block_tables,
         seq_lens,
         out,
@@ -350,6 +362,8 @@ def _decode_attention_op(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_scale.stride(0) if quant else 0,
+        k_scale.stride(1) if quant else 0,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -361,6 +375,7 @@ def _decode_attention_op(
         BLOCK_N=block_n,
         NUM_SPLITS=splits,
         SOFTCAP=softcap > 0,
+        QUANT=quant,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Interpreter workarounds: its tl.dot mishandles bf16 and it truncates fp32 -> bf16 casts (see ``round_rne``).
         INTERPRETED=INTERPRET,
@@ -386,7 +401,8 @@ def _decode_attention_op(
 
 
 @_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits):
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits, k_scale=None,
+      v_scale=None):
     return q.new_empty(q.shape)
 
 
@@ -403,15 +419,17 @@ def decode_attention(
     sliding_window: int | None = -1,
     softcap: float | None = 0.0,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     _num_splits: int = 0,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache.
 
     Args:
         q: ``(B, H, D)`` fp16/bf16/fp32 queries; may be a strided view (last dim unit stride). ``D <= 256``.
-        k_cache: ``(num_blocks, P, Hkv, D)`` contiguous, dtype ``q.dtype``; ``H`` must be a multiple of ``Hkv``
-            (query head ``h`` uses kv head ``h // (H // Hkv)``).
-        v_cache: ``(num_blocks, P, Hkv, D)`` contiguous, dtype ``q.dtype``.
+        k_cache: ``(num_blocks, P, Hkv, D)`` contiguous, dtype ``q.dtype`` or fp8 e4m3 / int8; ``H`` must be a
+            multiple of ``Hkv`` (query head ``h`` uses kv head ``h // (H // Hkv)``).
+        v_cache: ``(num_blocks, P, Hkv, D)`` contiguous, dtype of ``k_cache``.
         block_tables: ``(B, M)`` int32; sequence ``b``'s token ``i`` is at ``block_tables[b, i // P]``, offset
             ``i % P``. Entries past a sequence's last page are never read.
         seq_lens: ``(B,)`` int32 tokens of each sequence in the cache, including the current one (already stored).
@@ -421,6 +439,8 @@ def decode_attention(
             ``-1`` (or ``None``, or any value ``<= 0``) means no window.
         softcap: if ``> 0``, scores become ``softcap * tanh(scores * scale / softcap)`` (Gemma 2/3); 0 or ``None``
             means none.
+        k_scale, v_scale: ``(num_blocks, Hkv, P)`` fp32 scales of an fp8/int8 cache (the pages read as
+            ``value * scale``, :mod:`llmplug.ops.kv_quant`); None for a cache in ``q.dtype``.
         _num_splits: private override of the flash-decoding split count (tests); 0 picks it from shapes.
 
     Returns:
@@ -439,8 +459,9 @@ def decode_attention(
         raise ValueError(f"H={num_heads} query heads is not a multiple of Hkv={num_kv_heads} kv heads")
     if q.dtype not in _DTYPES:
         raise ValueError(f"q dtype {q.dtype} is not supported; use one of {_DTYPES}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    if k_cache.dtype != v_cache.dtype or not (q.dtype == k_cache.dtype or is_quantized(k_cache.dtype)):
         raise ValueError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    check_scales(k_cache, v_cache, k_scale, v_scale)
     if block_tables.dim() != 2 or block_tables.shape[0] != bsz:
         raise ValueError(f"block_tables must be ({bsz}, M), got shape {tuple(block_tables.shape)}")
     if seq_lens.dim() != 1 or seq_lens.shape[0] != bsz:
@@ -467,4 +488,6 @@ def decode_attention(
         sliding_window,
         softcap,
         int(_num_splits),
+        k_scale,
+        v_scale,
     )

@@ -10,7 +10,10 @@ from there). Optional sliding window (HF convention: a query sees ``sliding_wind
 logit soft-capping (Gemma 2/3).
 
 Paged layout: ``k_cache, v_cache: (num_blocks, P, Hkv, D)``; the ``i``-th cached token of sequence ``b`` lives in block
-``block_tables[b, i // P]`` at offset ``i % P``.
+``block_tables[b, i // P]`` at offset ``i % P``. An fp8/int8 cache comes with ``k_scale, v_scale: (num_blocks, Hkv, P)``
+fp32: the kernel converts the cached tiles to the query dtype in registers, multiplies each token's K scale into its
+score column and its V scale into its probability column (fp16, whose range ``p * v_scale`` could underflow: into the
+V rows). The new tokens' k/v are read as given, unquantized.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 import torch
 
 from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from .kv_quant import check_scales, is_quantized, read_pages_ref
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,8 +43,11 @@ def prefill_attention_ref(
     scale: float,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference (and CPU path): per sequence, gather the cached k/v from the pages, append the new k/v, mask, softmax.
+    """Reference (and CPU path): per sequence, gather the cached k/v from the pages (dequantized when ``k_scale,
+    v_scale`` are given), append the new k/v, mask, softmax.
 
     Math in fp32 (fp64 for fp64 inputs); the result is rounded to ``q.dtype`` once. Shapes as in
     :func:`prefill_attention`; ``max_seqlen_q`` is unused here.
@@ -51,7 +58,6 @@ def prefill_attention_ref(
     group = h // hkv
     cdt = torch.promote_types(q.dtype, torch.float32)
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
-    kc_flat, vc_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # (num_blocks * P, Hkv, D)
     cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
     for b in range(len(ctx_lens)):
         s, e, ctx = cu[b], cu[b + 1], ctx_lens[b]
@@ -59,9 +65,9 @@ def prefill_attention_ref(
         if n_new == 0:
             continue
         idx = torch.arange(ctx, device=q.device)
-        slots = block_tables[b, idx // page].long() * page + idx % page
-        kk = torch.cat([kc_flat[slots], k[s:e]]).to(cdt)  # (ctx + n_new, Hkv, D)
-        vv = torch.cat([vc_flat[slots], v[s:e]]).to(cdt)
+        blocks, offsets = block_tables[b, idx // page].long(), idx % page
+        kk = torch.cat([read_pages_ref(k_cache, k_scale, blocks, offsets, cdt).to(cdt), k[s:e].to(cdt)])
+        vv = torch.cat([read_pages_ref(v_cache, v_scale, blocks, offsets, cdt).to(cdt), v[s:e].to(cdt)])
         kk, vv = kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)  # (L, H, D)
         scores = torch.einsum("qhd,khd->hqk", q[s:e].to(cdt), kk) * scale
         if softcap > 0:
@@ -97,43 +103,18 @@ if triton is not None:
 
     @triton.jit
     def _attend_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        q_pos,
-        k_base,
-        v_base,
-        bt_row_ptr,
-        stride_k_blk,
-        stride_k_row,
-        stride_v_blk,
-        stride_v_row,
-        tile_lo,
-        tile_hi,
-        key_start,
-        key_end,
-        scale,
-        softcap,
-        window,
-        offs_n,
-        offs_d,
-        PAGED: tl.constexpr,
-        MASKED: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        PAGE: tl.constexpr,
-        DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr,
+        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row_ptr, stride_k_blk, stride_k_row, stride_v_blk, stride_v_row,
+        ks_base, vs_base, stride_s_blk, tile_lo, tile_hi, key_start, key_end, scale, softcap, window, offs_n, offs_d,
+        PAGED: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr, SCALE_P: tl.constexpr,
     ):
         """Online-softmax update of ``(acc, m_i, l_i)`` with key tiles ``[tile_lo, tile_hi)`` of one phase.
 
         Scores live in the log2 domain (``exp2``). ``PAGED``: keys come from the paged cache (phase-relative position
         = cache index); otherwise from the contiguous new k/v rows at ``k_base``. ``MASKED``: apply the bounds, causal
-        and window masks (only the tiles at the edges of the visible range need it).
+        and window masks (only the tiles at the edges of the visible range need it). ``QUANT`` (paged only): fp8/int8
+        tiles with per-token scales at ``ks_base``/``vs_base``; ``SCALE_P``: V scales go into p, else into V (fp16).
         """
         for tile in range(tile_lo, tile_hi):
             n = tile * BLOCK_N + offs_n  # phase-relative key index
@@ -163,11 +144,22 @@ if triton is not None:
             else:
                 kt = tl.load(k_ptrs)
                 vt = tl.load(v_ptrs)
-            if UPCAST:
-                kt = kt.to(tl.float32)
-                vt = vt.to(tl.float32)
+            if QUANT:
+                s_rows = blk * stride_s_blk + n % PAGE
+                if MASKED:
+                    k_scale = tl.load(ks_base + s_rows, mask=k_pos < key_end, other=0.0)
+                    v_scale = tl.load(vs_base + s_rows, mask=k_pos < key_end, other=0.0)
+                else:
+                    k_scale = tl.load(ks_base + s_rows)
+                    v_scale = tl.load(vs_base + s_rows)
+                if not SCALE_P:
+                    vt = vt.to(tl.float32) * v_scale[:, None]
+            kt = kt.to(q.dtype)  # no-ops unless upcast (q is fp32 then) or quantized
+            vt = vt.to(q.dtype)
 
             s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) fp32
+            if QUANT:
+                s = s * k_scale[None, :]
             if HAS_SOFTCAP:
                 # softcap * tanh(scale * s / softcap), then to the log2 domain; tanh(x) = sign(x) (1 - e) / (1 + e)
                 # with e = exp(-2|x|) in (0, 1] (no overflow).
@@ -188,6 +180,8 @@ if triton is not None:
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
+            if QUANT and SCALE_P:
+                p = p * v_scale[None, :]
             if UPCAST:
                 p = round_rne(p, tl.bfloat16)
             acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=DOT_PREC)  # p rounded to v's dtype
@@ -196,43 +190,12 @@ if triton is not None:
 
     @triton.jit
     def _prefill_attention_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        kc_ptr,
-        vc_ptr,
-        bt_ptr,
-        cu_q_ptr,
-        ctx_ptr,
-        out_ptr,
-        stride_qt,
-        stride_qh,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        stride_kcb,
-        stride_kcp,
-        stride_kch,
-        stride_vcb,
-        stride_vcp,
-        stride_vch,
-        stride_bt,
-        stride_ot,
-        stride_oh,
-        scale,
-        softcap,
-        window,
-        GROUP: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        PAGE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr,
-        DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr,
+        q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, ctx_ptr, out_ptr, stride_qt, stride_qh,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kcp, stride_kch, stride_vcb, stride_vcp,
+        stride_vch, stride_scb, stride_sch, stride_bt, stride_ot, stride_oh, scale, softcap, window,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr, SCALE_P: tl.constexpr,
     ):
         # grid = (H, num_m_tiles, B). Heads vary fastest so the GROUP query heads sharing a kv head run side by side
         # (L2 reuse of K/V); query tiles go last-first so the longest (most keys) causal tiles start earliest.
@@ -274,21 +237,23 @@ if triton is not None:
         lo, mid_lo, mid_hi, hi = _tile_range(need_lo, ctx, safe_lo, ctx, BLOCK_N)
         kc_base = kc_ptr + hkv * stride_kch
         vc_base = vc_ptr + hkv * stride_vch
+        ks_base = ks_ptr + hkv * stride_sch
+        vs_base = vs_ptr + hkv * stride_sch
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, kc_base, vc_base, bt_row, stride_kcb, stride_kcp, stride_vcb, stride_vcp,
-            lo, mid_lo, 0, ctx, scale, softcap, window, offs_n, offs_d,
-            True, True, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST,
+            ks_base, vs_base, stride_scb, lo, mid_lo, 0, ctx, scale, softcap, window, offs_n, offs_d,
+            True, True, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST, QUANT, SCALE_P,
         )  # fmt: skip
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, kc_base, vc_base, bt_row, stride_kcb, stride_kcp, stride_vcb, stride_vcp,
-            mid_lo, mid_hi, 0, ctx, scale, softcap, window, offs_n, offs_d,
-            True, False, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST,
+            ks_base, vs_base, stride_scb, mid_lo, mid_hi, 0, ctx, scale, softcap, window, offs_n, offs_d,
+            True, False, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST, QUANT, SCALE_P,
         )  # fmt: skip
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, kc_base, vc_base, bt_row, stride_kcb, stride_kcp, stride_vcb, stride_vcp,
-            mid_hi, hi, 0, ctx, scale, softcap, window, offs_n, offs_d,
-            True, True, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST,
+            ks_base, vs_base, stride_scb, mid_hi, hi, 0, ctx, scale, softcap, window, offs_n, offs_d,
+            True, True, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST, QUANT, SCALE_P,
         )  # fmt: skip
 
         # Phase 2: this step's new tokens, chunk-relative keys [0, last_m] from the contiguous k/v. Tiles entirely
@@ -304,18 +269,18 @@ if triton is not None:
         key_end = ctx + q_len
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, 0, stride_kt, 0, stride_vt,
-            lo, mid_lo, ctx, key_end, scale, softcap, window, offs_n, offs_d,
-            False, True, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST,
+            k_base, v_base, 0, lo, mid_lo, ctx, key_end, scale, softcap, window, offs_n, offs_d,
+            False, True, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST, False, False,
         )  # fmt: skip
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, 0, stride_kt, 0, stride_vt,
-            mid_lo, mid_hi, ctx, key_end, scale, softcap, window, offs_n, offs_d,
-            False, False, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST,
+            k_base, v_base, 0, mid_lo, mid_hi, ctx, key_end, scale, softcap, window, offs_n, offs_d,
+            False, False, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST, False, False,
         )  # fmt: skip
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, 0, stride_kt, 0, stride_vt,
-            mid_hi, hi, ctx, key_end, scale, softcap, window, offs_n, offs_d,
-            False, True, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST,
+            k_base, v_base, 0, mid_hi, hi, ctx, key_end, scale, softcap, window, offs_n, offs_d,
+            False, True, HAS_WINDOW, HAS_SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, DOT_PREC, UPCAST, False, False,
         )  # fmt: skip
 
         # Every real query sees at least itself (l_i > 0); padding rows may see nothing, and are not stored.
@@ -364,11 +329,13 @@ def _prefill_attention_op(
     scale: float,
     sliding_window: int,
     softcap: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if not use_triton(q):
         return prefill_attention_ref(
             q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale,
-            sliding_window, softcap,
+            sliding_window, softcap, k_scale, v_scale,
         )  # fmt: skip
     t, h, d = q.shape
     hkv, page = k.shape[1], k_cache.shape[1]
@@ -378,15 +345,18 @@ def _prefill_attention_op(
         return out
     block_m, block_n, num_warps, num_stages = _launch_config(d, q.dtype, q.device.type == "cuda")
     grid = (h, triton.cdiv(max_seqlen_q, block_m), batch)
+    quant = k_scale is not None
     maybe_wrap(_prefill_attention_kernel)[grid](
-        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        q, k, v, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache,  # placeholders
+        block_tables, cu_seqlens_q, context_lens, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0,
         block_tables.stride(0), out.stride(0), out.stride(1),
         float(scale), float(softcap) if softcap > 0 else 1.0, int(sliding_window) if sliding_window > 0 else 1,
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=softcap > 0,
+        HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=softcap > 0, QUANT=quant, SCALE_P=q.dtype != torch.float16,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         # The interpreter mishandles bf16 (numpy has none): its tl.dot multiplies the raw bits and its casts truncate.
         # So there the dots get fp32 operands, with p and the output rounded to bf16 values as the GPU would.
@@ -397,17 +367,17 @@ def _prefill_attention_op(
 
 
 @_prefill_attention_op.register_fake
-def _(
-    q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, sliding_window, softcap
-):
+def _(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, sliding_window, softcap,
+      k_scale=None, v_scale=None):
     return q.new_empty(q.shape)
 
 
-def _check_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sliding_window, softcap):
+def _check_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sliding_window, softcap,
+                  k_scale, v_scale):
     for name, x, ndim in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
         if x.dim() != ndim:
             raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
-        if x.dtype != q.dtype:
+        if x.dtype != q.dtype and not (ndim == 4 and is_quantized(x.dtype) and v_cache.dtype == k_cache.dtype):
             raise ValueError(f"{name}.dtype={x.dtype} does not match q.dtype={q.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device}, q on {q.device}")
@@ -431,6 +401,7 @@ def _check_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context
         )
     if k_cache.shape[1] < 1:
         raise ValueError(f"page size {k_cache.shape[1]} must be >= 1")
+    check_scales(k_cache, v_cache, k_scale, v_scale)
     for name, x, ndim in (("block_tables", block_tables, 2), ("cu_seqlens_q", cu_seqlens_q, 1),
                           ("context_lens", context_lens, 1)):  # fmt: skip
         if x.dtype != torch.int32 or x.dim() != ndim:
@@ -463,6 +434,9 @@ def prefill_attention(
     scale: float,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequence's paged cached context plus the new tokens.
 
@@ -473,8 +447,8 @@ def prefill_attention(
             query head ``h`` uses kv head ``h // (H // Hkv)``).
         v: ``(T, Hkv, D)`` new values.
         k_cache: ``(num_blocks, P, Hkv, D)`` paged key cache holding each sequence's ``context_lens[b]`` earlier
-            tokens. The new k/v need not be in it.
-        v_cache: ``(num_blocks, P, Hkv, D)`` paged value cache.
+            tokens, in ``q.dtype`` or fp8 e4m3 / int8. The new k/v need not be in it.
+        v_cache: ``(num_blocks, P, Hkv, D)`` paged value cache, dtype of ``k_cache``.
         block_tables: ``(B, M)`` int32; cached token ``i`` of sequence ``b`` is in block ``block_tables[b, i // P]``
             at offset ``i % P``. Entries past a sequence's used blocks are never read.
         cu_seqlens_q: ``(B + 1,)`` int32 prefix sums of the new-token counts: sequence ``b`` owns rows
@@ -485,15 +459,18 @@ def prefill_attention(
         scale: softmax scale multiplied into ``q @ k^T`` (usually ``D ** -0.5``).
         sliding_window: -1 for none; else a query at position ``p`` sees keys at positions ``> p - sliding_window``.
         softcap: 0 for none; else scores become ``softcap * tanh(scores / softcap)`` (after scaling, before masking).
+        k_scale, v_scale: ``(num_blocks, Hkv, P)`` fp32 scales of an fp8/int8 cache (cached tokens read as
+            ``value * scale``, :mod:`llmplug.ops.kv_quant`); None for a cache in ``q.dtype``.
 
     Returns:
         ``(T, H, D)`` contiguous, in ``q.dtype`` (accumulated in fp32).
     """
-    _check_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sliding_window, softcap)
+    _check_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sliding_window, softcap,
+                  k_scale, v_scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale={scale} must be finite")
     return call_op(
         _prefill_attention_op,
         q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, int(max_seqlen_q), float(scale),
-        int(sliding_window), float(softcap),
+        int(sliding_window), float(softcap), k_scale, v_scale,
     )  # fmt: skip

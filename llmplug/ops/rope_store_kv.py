@@ -2,14 +2,16 @@
 
 RoPE is HF's ``rotate_half`` style. ``cos, sin: (T, R)`` hold one row per token, as HF's rotary embedding module
 computes them, so every rope type (default, linear, dynamic, yarn, llama3, ...) works unchanged; ``R < head_dim`` is
-partial rotary (dims ``R:`` pass through). The store is :func:`llmplug.ops.kv_store.store_kv`'s.
+partial rotary (dims ``R:`` pass through). The store is :func:`llmplug.ops.kv_store.store_kv`'s, quantized ones
+included: k and v are rotated and rounded to the model dtype, then quantized.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from .kv_quant import QMAX, quantize_rows
 from .kv_store import check_store_inputs, store_kv_ref
 
 
@@ -31,21 +33,23 @@ def apply_rope_ref(
     return _rope_ref(q, cos, sin), _rope_ref(k, cos, sin)
 
 
-def rope_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> None:
+def rope_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Reference: rotate ``q, k`` in place, then store ``k, v`` at ``slot_mapping`` (negative slots skipped)."""
     q_out, k_out = apply_rope_ref(q, k, cos, sin)
     q.copy_(q_out)
     k.copy_(k_out)
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 if triton is not None:
 
     @triton.jit
-    def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, H, HKV, D, HALF,
-                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
-                              HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, H, HKV,
+                              D, HALF, page, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                              stride_cos, stride_sin, HEADS: tl.constexpr, BLOCK_D: tl.constexpr, QMAX_: tl.constexpr,
+                              IS_INT: tl.constexpr, INTERPRETED: tl.constexpr):
         # Program (t, j) handles heads j*HEADS.. of token t, counting q's H heads, then k's HKV, then v's HKV.
+        # QMAX_ > 0: an fp8/int8 cache; k/v rows are stored quantized, scales at [slot // page, head, slot % page].
         t = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
         is_q = heads < H
@@ -65,20 +69,30 @@ if triton is not None:
         x = tl.load(row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rotate = (~is_v)[:, None] & rot[None, :]
         other = tl.load(row + partner[None, :], mask=mask & rotate, other=0.0).to(tl.float32)
-        y = tl.where(rotate, x * cos[None, :] + other * sin[None, :], x).to(q_ptr.dtype.element_ty)
+        y = tl.where(rotate, x * cos[None, :] + other * sin[None, :], x)
+        if INTERPRETED:  # the interpreter's fp32 -> bf16 cast truncates
+            y = round_rne(y, q_ptr.dtype.element_ty)
+        y = y.to(q_ptr.dtype.element_ty)
         tl.store(row + cols[None, :], y, mask=mask & rotate)
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
             kv_head = tl.where(is_v, heads - H - HKV, heads - H)
             dst = tl.where(is_v, vc_ptr, kc_ptr) + (slot * HKV + kv_head) * D
-            tl.store(dst[:, None] + cols[None, :], y, mask=mask & (~is_q)[:, None])
+            if QMAX_ > 0:  # new names: a tensor assigned under a runtime ``if`` must keep its type
+                stored, scale = quantize_rows(y.to(tl.float32), QMAX_, IS_INT, INTERPRETED)
+                s_dst = tl.where(is_v, vs_ptr, ks_ptr) + (slot // page * HKV + kv_head) * page + slot % page
+                tl.store(s_dst, scale, mask=valid & ~is_q)
+            else:
+                stored = y
+            tl.store(dst[:, None] + cols[None, :], stored.to(kc_ptr.dtype.element_ty), mask=mask & (~is_q)[:, None])
 
 
-@llmplug_op("rope_store_kv", mutates_args=("q", "k", "k_cache", "v_cache"))
+@llmplug_op("rope_store_kv", mutates_args=("q", "k", "k_cache", "v_cache", "k_scale", "v_scale"))
 def _rope_store_kv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     if not use_triton(q):
-        rope_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        rope_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     assert all(x.stride(-1) == 1 for x in (q, k, v, cos, sin)), "last dims must be contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
@@ -89,29 +103,36 @@ def _rope_store_kv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     block_d = next_pow2(d)
     heads = min(next_pow2(h + 2 * hkv), max(1, 2048 // block_d))
     grid = (t, triton.cdiv(h + 2 * hkv, heads))
+    quantized = k_scale is not None
+    k_scale, v_scale = (k_scale, v_scale) if quantized else (slot_mapping, slot_mapping)  # placeholders, never touched
     maybe_wrap(_rope_store_kv_kernel)[grid](
-        q, k, v, cos, sin, k_cache, v_cache, slot_mapping, h, hkv, d, cos.shape[-1] // 2, q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), HEADS=heads,
-        BLOCK_D=block_d, num_warps=max(1, min(8, heads * block_d // 256)))
+        q, k, v, cos, sin, k_cache, v_cache, k_scale, v_scale, slot_mapping, h, hkv, d, cos.shape[-1] // 2,
+        k_cache.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), sin.stride(0), HEADS=heads, BLOCK_D=block_d,
+        QMAX_=QMAX[k_cache.dtype] if quantized else 0.0, IS_INT=k_cache.dtype == torch.int8, INTERPRETED=INTERPRET,
+        num_warps=max(1, min(8, heads * block_d // 256)))
 
 
 @_rope_store_kv_op.register_fake
-def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return None
 
 
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Rotate ``q, k`` in place (HF ``rotate_half`` RoPE on the first ``R`` dims) and store ``k, v`` into pages.
 
     Args:
         q: ``(T, H, D)``; k, v: ``(T, Hkv, D)``; strided views of one fused qkv tensor are fine (last dim
             contiguous).
         cos, sin: ``(T, R)``, ``R`` even, ``R <= D``.
-        k_cache, v_cache: ``(num_blocks, P, Hkv, D)`` contiguous, dtype of ``k``.
+        k_cache, v_cache: ``(num_blocks, P, Hkv, D)`` contiguous, dtype of ``k`` or fp8 e4m3 / int8.
         slot_mapping: ``(T,)`` int64 flat slot of each token; negative slots are skipped.
+        k_scale, v_scale: ``(num_blocks, Hkv, P)`` fp32 scales of an fp8/int8 cache (None otherwise), as in
+            :func:`llmplug.ops.kv_store.store_kv`.
     """
-    check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
+    check_store_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q must be (T={k.shape[0]}, H, D={k.shape[2]}), got {tuple(q.shape)}")
     if q.dtype != k.dtype:
@@ -123,4 +144,4 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         raise ValueError(f"rotary dim R={r} must be even and in (0, head_dim={q.shape[-1]}]")
     if any(x.stride(-1) != 1 for x in (q, k, v, cos, sin)):
         raise ValueError("q, k, v, cos and sin need a unit stride on their last dim")
-    call_op(_rope_store_kv_op, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    call_op(_rope_store_kv_op, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -173,9 +173,10 @@ class FusedDecoder:
             if hasattr(attn, "q_norm"):
                 q, k = self._norm(q, attn.q_norm), self._norm(k, attn.k_norm)
             cos, sin = rope[lay.rope_key]
-            k_cache, v_cache = cache.layer(i)
-            rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, lay.scale, lay.window, lay.softcap, stored=True)
+            k_cache, v_cache, k_scale, v_scale = cache.layer(i)
+            rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, lay.scale, lay.window, lay.softcap, stored=True,
+                                k_scale=k_scale, v_scale=v_scale)
             hidden = lay.o.matmul(o.view(t, -1))
             if spec.sandwich_norms:
                 hidden = self._norm(hidden, layer.post_attention_layernorm)

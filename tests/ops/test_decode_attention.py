@@ -5,7 +5,9 @@ import torch
 
 from llmplug.ops._triton import cpu_kernels
 from llmplug.ops.decode_attention import choose_num_splits, decode_attention, decode_attention_ref
-from tests.tolerances import assert_close_matmul_like
+from llmplug.quant.formats import sqnr_db
+from tests.ops.test_kv_quant import KV_DTYPES, quantize_pages
+from tests.tolerances import KV_CACHE_SQNR_DB, assert_close_matmul_like
 
 
 def _paged(lens, num_heads, num_kv_heads, head_dim, page, dtype, window=-1, poison=True):
@@ -152,3 +154,76 @@ def test_compiles():
     inputs = _paged([3, 20], 4, 2, 64, 16, torch.float32, poison=False)
     fn = torch.compile(lambda *a: decode_attention(*a, 0.125) * 2, fullgraph=True)
     torch.testing.assert_close(fn(*inputs), decode_attention_ref(*inputs, 0.125) * 2)
+
+
+# ---- fp8 / int8 caches -----------------------------------------------------------------------------------------------
+def _quantized(k_cache, v_cache, kv_dtype):
+    """``(k_pages, v_pages, k_scale, v_scale)``; NaN (poisoned) rows get NaN scales, so reading them still shows."""
+    (kq, ks), (vq, vs) = quantize_pages(k_cache, kv_dtype), quantize_pages(v_cache, kv_dtype)
+    return kq, vq, ks, vs
+
+
+LENS_19 = [1, 17, 70, 5, 40, 0, 33, 2, 24, 9, 41, 3, 16, 30, 8, 25, 50, 12, 36]
+QUANT_CASES = {
+    # name: (seq_lens, H, Hkv, D, P, dtype, sliding_window, softcap, num_splits (0: heuristic))
+    "b1-mha-d64-bf16": ([77], 4, 4, 64, 16, torch.bfloat16, -1, 0.0, 0),
+    "b19-gqa4-d128-fp16-splits": (LENS_19, 4, 1, 128, 16, torch.float16, -1, 0.0, 2),
+    "b19-gqa4-d64-p8-fp32-window-softcap": (LENS_19, 4, 1, 64, 8, torch.float32, 20, 30.0, 1),
+    "b19-mha-d128-bf16-1split": (LENS_19, 2, 2, 128, 16, torch.bfloat16, -1, 0.0, 1),
+}
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("case", list(QUANT_CASES), ids=list(QUANT_CASES))
+def test_quantized_cache_matches_reference(kv_dtype, case):
+    lens, num_heads, num_kv_heads, head_dim, page, dtype, window, softcap, splits = QUANT_CASES[case]
+    q, k_cache, v_cache, block_tables, seq_lens = _paged(lens, num_heads, num_kv_heads, head_dim, page, dtype, window)
+    kq, vq, ks, vs = _quantized(k_cache, v_cache, kv_dtype)
+    scale, kw = head_dim**-0.5, dict(k_scale=ks, v_scale=vs)
+    out = decode_attention(q, kq, vq, block_tables, seq_lens, scale, window, softcap, _num_splits=splits, **kw)
+    ref64 = decode_attention_ref(q.double(), kq, vq, block_tables, seq_lens, scale, window, softcap, **kw)
+    same = decode_attention_ref(q, kq, vq, block_tables, seq_lens, scale, window, softcap, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close_matmul_like(out, ref64, same)
+    assert (out[seq_lens == 0] == 0).all(), "padding rows must be zeros"
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_quantized_fp16_small_values_do_not_underflow(kv_dtype):
+    """Near-uniform attention over 300 keys (p ~ 3e-3) of V ~ 1e-3 (scales ~ 1e-5): ``p * v_scale`` is below fp16's
+    smallest subnormal, so the kernel must keep the V scales out of the fp16 ``p``'s range."""
+    q, k_cache, v_cache, block_tables, seq_lens = _paged([300, 150], 4, 1, 64, 16, torch.float16, poison=False)
+    kq, vq, ks, vs = _quantized(k_cache * 0.01, v_cache * 1e-3, kv_dtype)
+    kw = dict(k_scale=ks, v_scale=vs)
+    out = decode_attention(q, kq, vq, block_tables, seq_lens, 0.125, _num_splits=1, **kw)
+    ref64 = decode_attention_ref(q.double(), kq, vq, block_tables, seq_lens, 0.125, **kw)
+    assert_close_matmul_like(out, ref64, decode_attention_ref(q, kq, vq, block_tables, seq_lens, 0.125, **kw))
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(2, 2, 64), (8, 2, 128)])
+def test_quantized_reference_close_to_unquantized(kv_dtype, num_heads, num_kv_heads, head_dim):
+    inputs = _paged([1, 19, 100, 300], num_heads, num_kv_heads, head_dim, 16, torch.float64, poison=False)
+    q, k_cache, v_cache, block_tables, seq_lens = inputs
+    kq, vq, ks, vs = _quantized(k_cache, v_cache, kv_dtype)
+    got = decode_attention_ref(q, kq, vq, block_tables, seq_lens, head_dim**-0.5, k_scale=ks, v_scale=vs)
+    want = decode_attention_ref(*inputs, head_dim**-0.5)
+    assert sqnr_db(want, got) >= KV_CACHE_SQNR_DB[kv_dtype]
+
+
+def test_quantized_bad_inputs():
+    q, k_cache, v_cache, block_tables, seq_lens = _paged([5, 9], 4, 2, 64, 16, torch.float32, poison=False)
+    kq, vq, ks, vs = _quantized(k_cache, v_cache, torch.int8)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        decode_attention(q, kq, vq, block_tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="only for fp8/int8"):
+        decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention(q, kq, vq.to(torch.float8_e4m3fn), block_tables, seq_lens, 0.125, k_scale=ks, v_scale=vs)
+
+
+def test_quantized_opcheck():
+    q, k_cache, v_cache, block_tables, seq_lens = _paged([3, 20], 4, 2, 64, 16, torch.float32, poison=False)
+    kq, vq, ks, vs = _quantized(k_cache, v_cache, torch.int8)
+    args = (q, kq, vq, block_tables, seq_lens, 0.125, -1, 0.0, 2, ks, vs)
+    torch.library.opcheck(torch.ops.llmplug.decode_attention.default, args)

@@ -2,7 +2,9 @@ import pytest
 import torch
 
 from llmplug.ops._triton import cpu_kernels
+from llmplug.ops.kv_quant import quantize_ref
 from llmplug.ops.kv_store import store_kv, store_kv_ref
+from tests.ops.test_kv_quant import KV_DTYPES, bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -111,3 +113,71 @@ def test_compiles():
     ek, ev = _expected(k * 2, v, k_cache, v_cache, slots)
     fn(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, ek) and torch.equal(v_cache, ev)
+
+
+# ---- fp8 / int8 caches -----------------------------------------------------------------------------------------------
+def _quantized_caches(num_blocks, page, num_kv_heads, head_dim, kv_dtype):
+    """Random fp8/int8 pages and random scales (so untouched slots are recognisable)."""
+    pages = [torch.randn(num_blocks, page, num_kv_heads, head_dim).to(kv_dtype) for _ in range(2)]
+    scales = [torch.rand(num_blocks, num_kv_heads, page) for _ in range(2)]
+    return pages + scales
+
+
+def _expected_quantized(k, v, caches, slots):
+    """Token-by-token loop over ``quantize_ref``: the obvious semantics."""
+    ek, ev, eks, evs = (c.clone() for c in caches)
+    page = ek.shape[1]
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            for rows, cache, scale in ((k, ek, eks), (v, ev, evs)):
+                cache[s // page, s % page], scale[s // page, :, s % page] = quantize_ref(rows[t], cache.dtype)
+    return ek, ev, eks, evs
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize(
+    "num_tokens, num_kv_heads, head_dim, page, dtype, skip",
+    [
+        (1, 2, 64, 16, torch.bfloat16, []),
+        (19, 8, 128, 16, torch.float16, [0, 7, 18]),
+        (19, 1, 80, 8, torch.float32, [3]),
+        (3, 4, 256, 32, torch.bfloat16, [0, 1, 2]),  # every token skipped: nothing written
+    ],
+)
+@pytest.mark.parametrize("impl", ["kernel", "ref"])
+def test_quantized_store_matches_loop(kv_dtype, num_tokens, num_kv_heads, head_dim, page, dtype, skip, impl):
+    """Values and scales bit-exact (kernel and reference alike), every other slot and scale untouched."""
+    k, v = _fused_kv(num_tokens, 2 * num_kv_heads, num_kv_heads, head_dim, dtype)
+    v.mul_(1e-3)  # a different magnitude per tensor
+    caches = _quantized_caches(4, page, num_kv_heads, head_dim, kv_dtype)
+    slots = _slots(num_tokens, 4 * page, skip)
+    expected = _expected_quantized(k, v, caches, slots)
+    (store_kv if impl == "kernel" else store_kv_ref)(k, v, *caches[:2], slots, *caches[2:])
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(bits(got), bits(want))
+
+
+def test_quantized_bad_inputs():
+    k = torch.randn(4, 2, 64)
+    pages, _, scale, _ = _quantized_caches(2, 16, 2, 64, torch.int8)
+    slots = torch.arange(4)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        store_kv(k, k, pages, pages.clone(), slots)
+    with pytest.raises(ValueError, match="only for fp8/int8"):
+        store_kv(k, k, torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64), slots, scale, scale.clone())
+    with pytest.raises(ValueError, match="dtype"):
+        store_kv(k.to(torch.int8), k.to(torch.int8), pages, pages.clone(), slots, scale, scale.clone())
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_quantized_opcheck_and_compile(kv_dtype):
+    k, v = _fused_kv(4, 4, 2, 64, torch.bfloat16)
+    caches = _quantized_caches(2, 8, 2, 64, kv_dtype)
+    slots = torch.tensor([5, -1, 9, 15])
+    if kv_dtype == torch.int8:  # opcheck's schema check multiplies tensors, which fp8 on CPU cannot
+        fresh = [c.clone() for c in caches]
+        torch.library.opcheck(torch.ops.llmplug.store_kv.default, (k, v, *fresh[:2], slots, *fresh[2:]))
+    expected = _expected_quantized(k * 2, v, caches, slots)
+    torch.compile(lambda *a: store_kv(a[0] * 2, *a[1:]), fullgraph=True)(k, v, *caches[:2], slots, *caches[2:])
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(bits(got), bits(want))

@@ -4,7 +4,9 @@ import torch.nn.functional as F
 
 from llmplug.ops._triton import INTERPRET
 from llmplug.ops.prefill_attention import prefill_attention, prefill_attention_ref
-from tests.tolerances import assert_close_matmul_like
+from llmplug.quant.formats import sqnr_db
+from tests.ops.test_kv_quant import quantize_pages
+from tests.tolerances import KV_CACHE_SQNR_DB, assert_close_matmul_like
 
 
 def make_inputs(seqlens, ctx_lens, h, hkv, d, page, dtype, layout="fused", device="cpu"):
@@ -164,3 +166,48 @@ def test_gpu_matches_reference(d, window, softcap):
     out = prefill_attention(*args, d**-0.5, window, softcap)
     ref64 = prefill_attention_ref(*to64(args), d**-0.5, window, softcap)
     assert_close_matmul_like(out, ref64, prefill_attention_ref(*args, d**-0.5, window, softcap))
+
+
+# ---- fp8 / int8 caches -----------------------------------------------------------------------------------------------
+def quantize_args(args, kv_dtype):
+    """``make_inputs`` output with fp8/int8 pages, plus ``(k_scale, v_scale)`` (NaN where the cache is poisoned)."""
+    (kq, ks), (vq, vs) = quantize_pages(args[3], kv_dtype), quantize_pages(args[4], kv_dtype)
+    return [*args[:3], kq, vq, *args[5:]], {"k_scale": ks, "v_scale": vs}
+
+
+QUANT_CASES = [
+    pytest.param(BF16, 64, 4, 4, 16, [1], [40], -1, 0.0, id="1row-mha-d64-bf16"),
+    pytest.param(F16, 128, 8, 2, 16, [1, 19, 7], [0, 33, 50], -1, 0.0, id="19rows-gqa4-d128-f16"),
+    pytest.param(F32, 64, 4, 1, 8, [19], [45], 24, 30.0, id="19rows-gqa4-d64-p8-window-softcap-f32"),
+    pytest.param(BF16, 128, 2, 2, 16, [19, 1], [33, 70], -1, 0.0, id="19rows-mha-d128-bf16"),
+]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("dtype, d, h, hkv, page, seqlens, ctx_lens, window, softcap", QUANT_CASES)
+def test_quantized_cache_matches_reference(kv_dtype, dtype, d, h, hkv, page, seqlens, ctx_lens, window, softcap):
+    args, scales = quantize_args(make_inputs(seqlens, ctx_lens, h, hkv, d, page, dtype), kv_dtype)
+    out = prefill_attention(*args, d**-0.5, window, softcap, **scales)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    ref64 = prefill_attention_ref(*to64(args), d**-0.5, window, softcap, **scales)
+    assert_close_matmul_like(out, ref64, prefill_attention_ref(*args, d**-0.5, window, softcap, **scales))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("h, hkv, d", [(2, 2, 64), (8, 2, 128)])
+def test_quantized_reference_close_to_unquantized(kv_dtype, h, hkv, d):
+    args = make_inputs([1, 19], [100, 300], h, hkv, d, 16, torch.float64)
+    args[3], args[4] = args[3].nan_to_num(0.0), args[4].nan_to_num(0.0)
+    qargs, scales = quantize_args(args, kv_dtype)
+    got = prefill_attention_ref(*qargs, d**-0.5, **scales)
+    assert sqnr_db(prefill_attention_ref(*args, d**-0.5), got) >= KV_CACHE_SQNR_DB[kv_dtype]
+
+
+def test_quantized_bad_inputs_and_opcheck():
+    args, scales = quantize_args(make_inputs([2, 3], [0, 17], 2, 1, 64, 16, torch.float32), torch.int8)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        prefill_attention(*args, 0.125)
+    with pytest.raises(ValueError, match="dtype"):
+        prefill_attention(*args[:4], args[4].to(torch.float8_e4m3fn), *args[5:], 0.125, **scales)
+    torch.library.opcheck(torch.ops.llmplug.prefill_attention.default,
+                          (*args, 0.125, -1, 0.0, scales["k_scale"], scales["v_scale"]))

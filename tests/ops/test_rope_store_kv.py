@@ -3,6 +3,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from llmplug.ops.rope_store_kv import apply_rope_ref, rope_store_kv, rope_store_kv_ref
+from tests.ops.test_kv_quant import KV_DTYPES, bits, quantize_pages
 from tests.tolerances import assert_close_elementwise
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -145,3 +146,26 @@ def test_compiles():
     rope_store_kv_ref(*_views(qkv_ref, 4, 2, 32), cos, sin, cache_ref[0], cache_ref[1], slots)
     assert_close_elementwise(fn(qkv, cos, sin, cache[0], cache[1], slots), qkv_ref * 2)
     assert_close_elementwise(cache, cache_ref)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("tokens, heads, d, r, dtype", [
+    (1, (4, 4), 64, 64, torch.bfloat16),
+    (19, (8, 2), 128, 128, torch.float16),
+    (19, (8, 1), 80, 32, torch.float32),
+    (19, (4, 1), 128, 64, torch.bfloat16),
+])
+def test_quantized_cache_matches_reference(kv_dtype, tokens, heads, d, r, dtype):
+    """fp8/int8 pages: q and k rotated as before; pages and scales as the reference stores them, bit for bit."""
+    h, hkv = heads
+    qkv, q, k, v = _fused_qkv(tokens, h, hkv, d, dtype)
+    cos, sin = _cos_sin(tokens, r)
+    cache, slots = _cache(tokens, hkv, d, dtype)
+    pages = [quantize_pages(c, kv_dtype) for c in cache]
+    caches = [pages[0][0], pages[1][0], pages[0][1], pages[1][1]]  # k, v, k_scale, v_scale
+    qkv_ref, caches_ref = qkv.clone(), [c.clone() for c in caches]
+    rope_store_kv_ref(*_views(qkv_ref, h, hkv, d), cos, sin, *caches_ref[:2], slots, *caches_ref[2:])
+    rope_store_kv(q, k, v, cos, sin, *caches[:2], slots, *caches[2:])
+    assert_close_elementwise(qkv, qkv_ref)
+    for got, want in zip(caches, caches_ref, strict=True):
+        assert torch.equal(bits(got), bits(want))

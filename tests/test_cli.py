@@ -1,0 +1,93 @@
+"""``llmplug bench`` on CPU: timings on the trained model by default, then its text sample from stock HF and
+llmplug; the fallback where the model is missing; the exit status when outputs differ."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from llmplug import cli
+from llmplug.bench import e2e, sample
+from llmplug.ops._triton import cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def _tiny():
+    """One real ``e2e.run`` at the smallest scale on tiny-llama (timings on the trained model cost seconds more)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with cpu_kernels(False):
+        yield e2e.run("tiny-llama", "cpu", torch.float32, new_tokens=2, static=False, ttft=False, batches=(2,),
+                      repeats=1, batch_prompts=(32, 256))
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _references():
+    """Reference kernels, one intra-op thread (a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with cpu_kernels(False):
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def timed(monkeypatch, _tiny):
+    """``e2e.run`` answered by the tiny-llama run; records which model and prompt range the CLI asked for."""
+    asked = []
+
+    def run(model, device, dtype, **kw):
+        asked.append((model, kw["batch_prompts"]))
+        return copy.deepcopy(_tiny)
+
+    monkeypatch.setattr(e2e, "run", run)
+    return asked
+
+
+def test_default_is_the_trained_model_with_text(timed, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cli.main(["bench", "--device", "cpu", "--out", str(out)]) == 0
+    assert timed == [(str(sample.default_model()), (32, 256))]
+    text = capsys.readouterr().out
+    assert "## tiny-llama (torch.float32" in text and "static batch 2 output tok/s (32-256 in)" in text
+    assert f"## text sample: {sample.MODEL_NAME} (8.4M parameters), greedy, 32 new tokens, torch.float32" in text
+    for prompt in sample.PROMPTS:
+        assert f"--- stock HF, prompt {prompt!r}\n{prompt}" in text
+        assert f"--- llmplug, prompt {prompt!r} (identical to stock HF)\n{prompt}" in text
+    assert text.rstrip().endswith("greedy outputs identical to stock HF: yes")
+    saved = json.loads(out.read_text())
+    assert saved["sample"]["identical"] and len(saved["sample"]["samples"]) == len(sample.PROMPTS)
+    assert all(s["stock"] == s["llmplug"] and s["stock"] for s in saved["sample"]["samples"])
+    assert text.index("## text sample") < text.index(saved["sample"]["samples"][-1]["stock"])
+
+
+def test_without_the_trained_model(timed, monkeypatch, capsys):
+    monkeypatch.setattr(sample, "default_model", lambda: None)
+    assert cli.main(["bench", "--device", "cpu"]) == 0
+    assert timed == [("tiny-llama", (32, 256))]
+    text = capsys.readouterr().out
+    notes = [line for line in text.splitlines() if line.startswith("(no text sample")]
+    assert notes == [f"(no text sample: models/{sample.MODEL_NAME} is not beside the package, as in a wheel install;"
+                     " a source checkout has it)"]
+    assert "## text sample" not in text
+    assert "greedy outputs identical to stock HF: yes" in text
+
+
+def test_named_shape_and_no_sample(timed, monkeypatch, capsys):
+    monkeypatch.setattr(sample, "run", lambda *a, **k: pytest.fail("--no-sample ran the sample"))
+    assert cli.main(["bench", "--device", "cpu", "--model", "tiny-llama", "--no-sample"]) == 0
+    assert timed == [("tiny-llama", (32, 256))]
+    text = capsys.readouterr().out
+    assert "text sample" not in text and "greedy outputs identical to stock HF: yes" in text
+
+
+def test_differing_text_fails_the_command(timed, monkeypatch, capsys):
+    one = {"prompt": "x", "stock": "1 2", "llmplug": "1 3", "identical": False, "first_difference": 1}
+    differs = {"model": sample.MODEL_NAME, "params": 8_392_960, "dtype": "torch.float32", "new_tokens": 2,
+               "identical": False, "samples": [one]}
+    monkeypatch.setattr(sample, "run", lambda *a, **k: differs)
+    assert cli.main(["bench", "--device", "cpu"]) == 1
+    text = capsys.readouterr().out
+    assert "(DIFFERS from stock HF from new token 2 on)" in text and "greedy outputs identical to stock HF: NO" in text

@@ -31,6 +31,42 @@ if triton is not None:
             return w.to(tl.float32)
 
     @triton.jit
+    def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """``(pid_m, pid_n)`` of this program in grouped launch order: GROUP_M row tiles share each weight column
+        tile while it is in L2."""
+        pid = tl.program_id(0)
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+        size_m = min(tiles_m - first_m, GROUP_M)
+        return first_m + (pid % (GROUP_M * tiles_n)) % size_m, (pid % (GROUP_M * tiles_n)) // size_m
+
+    @triton.jit
+    def store_rows(out_ptr, y, rows, row_mask, b_ptr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr):
+        """GEMV epilogue: ``out[rows] = y (+ bias[rows])`` rounded to the output dtype."""
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        if INTERPRETED:
+            y = round_rne(y, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+    @triton.jit
+    def store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, b_ptr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
+        """GEMM epilogue: the fp32 partial sum of split ``program_id(1)`` into the ``(SPLIT_K, M, N)`` workspace,
+        or, unsplit, ``y (+ bias)`` rounded into ``out (M, N)``."""
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        if SPLIT_K > 1:  # split_k_reduce adds the partial sums up with the bias
+            ws = out_ptr + tl.program_id(1).to(tl.int64) * M * N
+            tl.store(ws + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], y, mask=mask)
+        else:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            if INTERPRETED:
+                y = round_rne(y, out_ptr.dtype.element_ty)
+            out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _split_k_reduce_kernel(ws_ptr, b_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                                BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._qmm import choose_split_k, num_sms, split_k_reduce, u32_to_f32
+from ._qmm import choose_split_k, grouped_tile, num_sms, split_k_reduce, store_rows, store_tile, u32_to_f32
 from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, round_rne, tl, triton, use_triton
 
 
@@ -61,11 +61,7 @@ if triton is not None:
             dot = tl.sum(u32_to_f32(b & 15) * x_lo[None, :, :] + u32_to_f32(b >> 4) * x_hi[None, :, :], axis=2)
             acc += s * (dot - z * tl.sum(x_lo + x_hi, axis=1)[None, :])
         y = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        if INTERPRETED:
-            y = round_rne(y, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+        store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
 
     @triton.jit
     def _w4_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn,
@@ -73,12 +69,7 @@ if triton is not None:
                         BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
                         PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
         HALF: tl.constexpr = GROUP // 2
-        pid = tl.program_id(0)
-        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-        first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
-        size_m = min(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
-        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+        pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         g_start = tl.program_id(1) * GROUPS_PER_SPLIT
         g_end = min(K // GROUP, g_start + GROUPS_PER_SPLIT)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -107,18 +98,7 @@ if triton is not None:
                 acc = tl.dot(a_hi, tl.trans(w_hi.to(a_hi.dtype)), acc, input_precision=PRECISION)
             x_ptrs += GROUP
             q_ptrs += HALF
-        mask = m_mask[:, None] & n_mask[None, :]
-        if SPLIT_K > 1:  # fp32 partial sums; split_k_reduce adds them up with the bias
-            ws = out_ptr + tl.program_id(1).to(tl.int64) * M * N
-            tl.store(ws + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], acc, mask=mask)
-        else:
-            y = acc
-            if HAS_BIAS:
-                y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            if INTERPRETED:
-                y = round_rne(y, out_ptr.dtype.element_ty)
-            out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_om, b_ptr, HAS_BIAS, SPLIT_K, INTERPRETED)
 
 
 def choose_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int, int, int]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ._qmm import choose_split_k, num_sms, split_k_reduce, w8_to_f32
-from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from ._qmm import choose_split_k, grouped_tile, num_sms, split_k_reduce, store_rows, store_tile, w8_to_f32
+from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -47,24 +47,14 @@ if triton is not None:
             acc += w8_to_f32(w) * xk[None, :]
             q_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        if INTERPRETED:
-            y = round_rne(y, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+        store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
 
     @triton.jit
     def _w8_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
                         INTERPRETED: tl.constexpr):
-        # grouped launch order: GROUP_M row tiles share each weight column tile while it is in L2
-        pid = tl.program_id(0)
-        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-        first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
-        size_m = min(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
-        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+        pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         k_start = tl.program_id(1) * K_PER_SPLIT
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,17 +74,7 @@ if triton is not None:
             x_ptrs += BLOCK_K
             q_ptrs += BLOCK_K
         y = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        if SPLIT_K > 1:  # fp32 partial sums; split_k_reduce adds them up with the bias
-            ws = out_ptr + tl.program_id(1).to(tl.int64) * M * N
-            tl.store(ws + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], y, mask=mask)
-        else:
-            if HAS_BIAS:
-                y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            if INTERPRETED:
-                y = round_rne(y, out_ptr.dtype.element_ty)
-            out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, b_ptr, HAS_BIAS, SPLIT_K, INTERPRETED)
 
 
 def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from llmplug.bench.timing import graph_time  # noqa: E402
 from llmplug.ops.act_mul import act_and_mul  # noqa: E402
 from llmplug.ops.gemv import gemv  # noqa: E402
 
@@ -22,25 +23,6 @@ SHAPES = {"8b.down+silu": (4096, 14336), "1b.down+silu": (2048, 8192),
 CONFIGS = [(32, 512, 8, 3), (64, 256, 8, 3),
            (8, 512, 4, 4), (4, 1024, 4, 4), (16, 256, 4, 4), (8, 1024, 8, 3), (16, 512, 8, 3), (4, 512, 2, 4),
            (2, 1024, 4, 4), (32, 256, 8, 3), (8, 256, 4, 6)]
-
-
-def graph_time(fn, copies) -> float:
-    """Seconds per call, replaying a graph of 8 passes over the rotating copies."""
-    for w in copies:
-        fn(w)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(8):
-            for w in copies:
-                fn(w)
-    g.replay()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(5):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1e-3 / (5 * 8 * len(copies))
 
 
 @torch.inference_mode()

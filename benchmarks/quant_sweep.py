@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from llmplug.bench.timing import graph_time  # noqa: E402
 from llmplug.ops.act_mul import act_and_mul  # noqa: E402
 from llmplug.ops.fp8_linear import fp8_linear, fp8_linear_ref  # noqa: E402
 from llmplug.ops.gemv import gemv  # noqa: E402
@@ -41,25 +42,6 @@ GEMM = [(64, 64, 128, 4, 4, 0), (64, 128, 64, 4, 4, 0), (64, 128, 128, 4, 3, 0),
         (128, 256, 64, 8, 3, 0), (128, 128, 128, 8, 3, 0)]
 GEMM4 = [(64, 64, 1, 4, 4, 0), (64, 128, 1, 4, 4, 0), (64, 128, 1, 4, 3, 0), (128, 128, 1, 8, 3, 0),
          (128, 256, 1, 8, 3, 0), (128, 64, 1, 4, 4, 0)]
-
-
-def graph_time(fn, copies, reps: int = 4) -> float:
-    """Seconds per call, replaying a graph of ``reps`` passes over the rotating copies."""
-    for w in copies:
-        fn(w)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for w in copies:
-                fn(w)
-    g.replay()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(3):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1e-3 / (3 * reps * len(copies))
 
 
 def candidates(method: str, m: int):

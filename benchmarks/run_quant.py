@@ -21,21 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import llmplug  # noqa: E402
 from llmplug.bench import report, timing  # noqa: E402
-from llmplug.bench.shapes import build  # noqa: E402
+from llmplug.bench.shapes import build, weight_bytes  # noqa: E402
 from llmplug.quant.quantize import QUANT_ATTR  # noqa: E402
-
-
-def step_bytes(model) -> int:
-    """Bytes one decode step reads: parameters and buffers once (tied counted once), one embedding row."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    embed = model.get_input_embeddings().weight
-    if embed.data_ptr() != model.get_output_embeddings().weight.data_ptr():
-        total -= embed.numel() * embed.element_size()
-    return total
 
 
 def prompts(n: int, length: int, vocab: int, device, seed: int) -> dict:
@@ -50,7 +37,7 @@ def run_mode(model, mode: str, args, ceil: dict) -> dict:
     t0 = time.perf_counter()
     llmplug.optimize(model, quantize=None if mode == "bf16" else mode, kv_cache_dtype=args.kv_cache_dtype,
                      kv_memory_fraction=args.kv_memory_fraction)
-    res = {"mode": mode, "step_bytes": step_bytes(model), "quantize_s": time.perf_counter() - t0}
+    res = {"mode": mode, "step_bytes": weight_bytes(model), "quantize_s": time.perf_counter() - t0}
     one = prompts(1, 128, vocab, "cuda", 1)
     gen = dict(max_new_tokens=args.new_tokens, do_sample=False)
     model.generate(**one, **gen)

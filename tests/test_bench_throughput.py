@@ -14,7 +14,7 @@ from llmplug.bench.shapes import build
 from llmplug.bench.workloads import ModelCost, floor
 from llmplug.config import OptimizeConfig
 from llmplug.engine.params import EngineConfig
-from llmplug.ops._triton import cpu_kernels
+from tests.tiny_models import reference_kernels
 
 CEIL = {"read_bytes_per_s": 1e10, "bf16_flops_per_s": 1e11}  # made-up ceilings: CPU has none measured
 RUN_KEYS = ("workload", "requests", "prompt_tokens", "output_tokens", "wall_s", "output_tok_s", "total_tok_s",
@@ -25,12 +25,8 @@ STAT_KEYS = ("kv_utilisation_mean", "kv_utilisation_max", "kv_waste_max", "prefi
 
 @pytest.fixture(scope="module", autouse=True)
 def _references():
-    """Reference kernels, one intra-op thread (tiny matmuls on a busy 2-core machine: 50 us vs milliseconds)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with cpu_kernels(False):
+    with reference_kernels():
         yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

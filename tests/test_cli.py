@@ -9,28 +9,21 @@ import torch
 
 from llmplug import cli
 from llmplug.bench import e2e, sample
-from llmplug.ops._triton import cpu_kernels
+from tests.tiny_models import reference_kernels
 
 
 @pytest.fixture(scope="module")
 def _tiny():
     """One real ``e2e.run`` at the smallest scale on tiny-llama (timings on the trained model cost seconds more)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with cpu_kernels(False):
+    with reference_kernels():
         yield e2e.run("tiny-llama", "cpu", torch.float32, new_tokens=2, static=False, ttft=False, batches=(2,),
                       repeats=1, batch_prompts=(32, 256))
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
 def _references():
-    """Reference kernels, one intra-op thread (a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with cpu_kernels(False):
+    with reference_kernels():
         yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -1,7 +1,11 @@
 """Tiny random-weight HF models of every family, built from config classes (no downloads)."""
 
+import contextlib
+
 import torch
 import transformers as tf
+
+from llmplug.ops._triton import cpu_kernels
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -53,3 +57,18 @@ def pad(rows: list[list[int]], side: str = "left", pad_id: int = 0) -> tuple[tor
         ids[i, sl] = torch.tensor(r)
         mask[i, sl] = 1
     return ids, mask
+
+
+@contextlib.contextmanager
+def reference_kernels(threads: int = 1):
+    """Run models on the ops' references (not the interpreted kernels) with ``threads`` intra-op threads.
+
+    Tiny matmuls on a busy 2-core machine: one thread takes ~50 us where two take milliseconds.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with cpu_kernels(False):
+            yield
+    finally:
+        torch.set_num_threads(before)

@@ -41,12 +41,16 @@ def build(name: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step must read: every parameter once (tied embeddings counted once)."""
+    """Bytes a decode step must read: every parameter and persistent buffer once (quantized weights, their scales
+    and zero points included; tied tensors counted once; RoPE tables are not weights), and one embedding row per token
+    rather than the whole table."""
+    saved = [b for m in model.modules() for name, b in m._buffers.items()
+             if b is not None and name not in m._non_persistent_buffers_set]
     seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for t in [*model.parameters(), *saved]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
     embed = model.get_input_embeddings().weight
     if embed.data_ptr() != model.get_output_embeddings().weight.data_ptr():
         total -= embed.numel() * embed.element_size()  # only one embedding row per token is read

@@ -30,6 +30,29 @@ def time_call(fn: Callable[[], object], device, repeats: int = 3, warmup: int = 
     return {"median": statistics.median(q), "p50": pick(0.5), "p95": pick(0.95), "p99": pick(0.99), "samples": q}
 
 
+def graph_time(fn: Callable[[torch.Tensor], object], copies: list, reps: int = 8, replays: int = 5) -> float:
+    """Seconds per call of ``fn(w)``, replayed as one CUDA graph of ``reps`` passes over the rotating ``copies``.
+
+    No launch overhead and, with copies larger than L2 together, no cache reuse: what a kernel costs inside a
+    captured decode step.
+    """
+    for w in copies:
+        fn(w)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            for w in copies:
+                fn(w)
+    g.replay()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(replays):
+        g.replay()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) * 1e-3 / (replays * reps * len(copies))
+
+
 def ceilings(device: str) -> dict:
     """Measured read bandwidth (bytes/s) and bf16 matmul rate (FLOP/s) on ``device`` (CUDA only)."""
     if torch.device(device).type != "cuda":

@@ -104,6 +104,19 @@ def num_sms(device: torch.device) -> int:
     return _SMS[index]
 
 
+def split_k_plan(split_k: int, tiles: int, k_steps: int, out: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """``(steps_per_split, splits, dest)`` for a GEMM of ``tiles`` output tiles over ``k_steps`` K steps.
+
+    ``split_k`` 0 lets :func:`choose_split_k` decide; ``dest`` is ``out`` itself unsplit, else a fresh fp32
+    ``(splits, M, N)`` workspace for :func:`split_k_reduce`.
+    """
+    split = split_k or choose_split_k(tiles, k_steps, num_sms(out.device))
+    per_split = -(-k_steps // split)
+    split = -(-k_steps // per_split)
+    dest = out if split == 1 else torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
+    return per_split, split, dest
+
+
 def choose_split_k(tiles: int, k_steps: int, sms: int, min_steps: int = 4) -> int:
     """Split the K loop until the grid covers the GPU about twice, keeping ``min_steps`` K steps per split.
 

@@ -9,6 +9,8 @@ activation rounding there).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
@@ -76,6 +78,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return call_op(_quantize_rows_fp8_op, x)
 
 
+@functools.cache
 def scaled_mm_supported(device: torch.device) -> bool:
     """True where ``torch._scaled_mm`` runs e4m3 with row-wise scales: CUDA compute capability 8.9 or newer."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

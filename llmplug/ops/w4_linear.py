@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._qmm import choose_split_k, grouped_tile, num_sms, split_k_reduce, store_rows, store_tile, u32_to_f32
+from ._qmm import grouped_tile, split_k_plan, split_k_reduce, store_rows, store_tile, u32_to_f32
 from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, round_rne, tl, triton, use_triton
 
 
@@ -139,11 +139,7 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             GROUPS_PER_STEP=groups_per_step, **common)
         return out
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    groups = k // group_size
-    split = split_k or choose_split_k(tiles, groups, num_sms(x.device))
-    per_split = triton.cdiv(groups, split)
-    split = triton.cdiv(groups, per_split)
-    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    per_split, split, dest = split_k_plan(split_k, tiles, k // group_size, out)
     maybe_wrap(_w4_gemm_kernel)[(tiles, split)](
         x, qweight, scales, zeros, b, dest, m, n, k, per_split, x.stride(0), qweight.stride(0), scales.stride(0),
         out.stride(0), BLOCK_M=block_m, SPLIT_K=split, GROUP_M=8,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._qmm import choose_split_k, grouped_tile, num_sms, split_k_reduce, store_rows, store_tile, w8_to_f32
+from ._qmm import grouped_tile, split_k_plan, split_k_reduce, store_rows, store_tile, w8_to_f32
 from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -115,10 +115,8 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         return out
     block_k = max(16, min(block_k, next_pow2(k)))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = split_k or choose_split_k(tiles, triton.cdiv(k, block_k), num_sms(x.device))
-    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
-    split = triton.cdiv(k, k_per_split)
-    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    steps_per_split, split, dest = split_k_plan(split_k, tiles, triton.cdiv(k, block_k), out)
+    k_per_split = steps_per_split * block_k
     maybe_wrap(_w8_gemm_kernel)[(tiles, split)](
         x, qweight, scales, b, dest, m, n, k, k_per_split, x.stride(0), qweight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_M=8,

@@ -5,19 +5,15 @@ import pytest
 import torch
 
 from llmplug.bench import report, sample
-from llmplug.ops._triton import cpu_kernels
+from tests.tiny_models import reference_kernels
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _references():
-    """Reference kernels, one intra-op thread (a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with cpu_kernels(False):
+    with reference_kernels():
         yield
-    torch.set_num_threads(threads)
 
 
 def test_default_model_is_the_checkouts():

@@ -14,8 +14,7 @@ from transformers import GenerationConfig
 
 import llmplug
 from llmplug import Engine, EngineConfig, SamplingParams
-from llmplug.ops._triton import cpu_kernels
-from tests.tiny_models import make_model, prompts
+from tests.tiny_models import make_model, prompts, reference_kernels
 from tests.tiny_tokenizer import make_tokenizer
 
 STATS_KEYS = {"finished_requests", "steps", "ttft_s", "tpot_s", "itl_s", "e2e_s", "output_tokens", "output_tok_s",
@@ -25,11 +24,8 @@ STATS_KEYS = {"finished_requests", "steps", "ttft_s", "tpot_s", "itl_s", "e2e_s"
 
 @pytest.fixture(autouse=True)
 def _references():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: one thread is several times faster than two on a 2-core runner
-    with cpu_kernels(False):
+    with reference_kernels():
         yield
-    torch.set_num_threads(threads)
 
 
 # ---- helpers (also used by test_scheduler.py) ------------------------------------------------------------------------

@@ -116,6 +116,9 @@ if triton is not None:
         INTERPRETED: tl.constexpr,
     ):
         # QUANT: fp8/int8 pages with per-token scales.
+        # Inductor passes Python floats as fp64 (eager Triton as fp32): pin them, or the scores turn fp64.
+        score_scale = tl.cast(score_scale, tl.float32)
+        cap_scale = tl.cast(cap_scale, tl.float32)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)

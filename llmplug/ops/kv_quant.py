@@ -31,7 +31,9 @@ def quantize_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     """``x: (..., D)`` float -> ``(q (..., D) dtype, scale (...) fp32)`` with one scale per row of ``D``."""
     qmax = QMAX[dtype]
     xf = x.float()
-    scale = xf.abs().amax(-1).clamp_min(AMAX_FLOOR) / qmax
+    amax = xf.abs().amax(-1).clamp_min(AMAX_FLOOR)
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its rounded reciprocal, not as IEEE division
+    scale = amax / torch.full_like(amax, qmax)
     y = (xf / scale[..., None]).clamp(-qmax, qmax)
     if dtype == torch.int8:
         y = torch.sign(y) * torch.floor(y.abs() + 0.5)

@@ -201,6 +201,9 @@ if triton is not None:
         # (L2 reuse of K/V); query tiles go last-first so the longest (most keys) causal tiles start earliest.
         h = tl.program_id(0)
         m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
+        # Inductor passes Python floats as fp64 (eager Triton as fp32): pin them, or the scores turn fp64.
+        scale = tl.cast(scale, tl.float32)
+        softcap = tl.cast(softcap, tl.float32)
         b = tl.program_id(2)
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start

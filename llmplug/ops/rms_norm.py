@@ -39,6 +39,9 @@ if triton is not None:
                          stride_res, eps, offset, HAS_RESIDUAL: tl.constexpr, ROUND_FIRST: tl.constexpr,
                          INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         # Row r of the (n_rows, N) output is x[r // inner, r % inner, :]; a 2D x has inner == 1.
+        # Inductor passes Python floats as fp64 (eager Triton as fp32): pin them, or the math turns fp64.
+        eps = tl.cast(eps, tl.float32)
+        offset = tl.cast(offset, tl.float32)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         mask = (rows < n_rows)[:, None] & (cols < N)[None, :]

@@ -137,6 +137,11 @@ if triton is not None:
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
         if INTERPRETED:
             q = q.to(tl.float32)
+        elif QUANT and dt != tl.float32:
+            # fp8/int8 pages: both matmuls in fp16, to which e4m3 and int8 values convert exactly and cheaply (bf16
+            # has no direct conversion from either); q and p (in [0, 1]) keep as many or more mantissa bits.
+            q = q.to(tl.float16)
+        mm_dt = q.dtype
 
         # This split's tiles. Tile t covers positions [t * BLOCK_N, (t + 1) * BLOCK_N); the visible positions are
         # [win_start, seq_len), so every tile in [tile_lo, tile_hi) holds at least one visible key.
@@ -173,7 +178,7 @@ if triton is not None:
             if INTERPRETED:
                 k = k.to(tl.float32)
             else:
-                k = k.to(dt)  # a no-op unless the cache is quantized
+                k = k.to(mm_dt)  # a no-op unless the cache is quantized
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N) fp32
             if QUANT:
                 s_rows = blk * stride_sb + in_page
@@ -198,8 +203,8 @@ if triton is not None:
                 p = round_rne(p, dt)
                 v = v.to(tl.float32)
             else:
-                p = p.to(dt)
-                v = v.to(dt)
+                p = p.to(mm_dt)
+                v = v.to(mm_dt)
             pv = tl.dot(p, v, input_precision=DOT_PRECISION)
             if QUANT:
                 pv = pv * v_max
@@ -274,14 +279,15 @@ def _tile_config(head_dim: int, elem_size: int, cache_elem_size: int) -> tuple[i
     # D=128 -> 96-126 registers, 39 KiB shared memory (the pipeliner prefetches the next tile's K/V and the block ids
     # two tiles ahead), so >= 4 programs fit per SM and batch 64 x 8 kv heads = 512 programs is one wave on 132 SMs;
     # bf16 D=256 -> 158 registers (3 per SM); fp32 D<=256 -> <= 128 registers, no spills (fp32 BLOCK_N=32 spilled).
-    # NOTE: untuned. fp8/int8 pages with a bf16/fp16 query: the same tiles on 8 warps. Compile-only check (triton 3.9,
-    # sm_90a, ptxas 13.4): on 4 warps the in-register conversion takes D=128 to 198-222 registers (2 programs, 8 warps
-    # per SM); on 8 warps D=64..256 -> 102-128 registers (at most an 8-byte spill), 14-26 KiB shared memory: 2 programs,
-    # 16 warps per SM, as many warps as bf16's 4 programs x 4.
+    # NOTE: fp8/int8 pages (both matmuls in fp16): H100, 2026-11-22, batch 64 x 32 heads (8 kv) x D=128, us at
+    # context 384 / 2048 (bf16 pages 38.5 / 181.2): 128 tokens on 4 warps fp8 33.5 / 144.6, int8 36.3 / 163.3; 64 on
+    # 4 warps 42.5 / 187.4; 64 on 8 warps (the former choice) 60.9 / 277.7; 128 on 8 warps 52.7 / 220.7. Batch 1 x
+    # 8k: 15.2 (fp8) against bf16's 15.7. D=256 halves the tile to keep shared memory within bounds.
     if elem_size >= 4:
         return 16, 4, 3
-    block_n = 64 if head_dim <= 128 else 32
-    return block_n, 8 if cache_elem_size == 1 else 4, 3
+    if cache_elem_size == 1:
+        return (128 if head_dim <= 128 else 64), 4, 3
+    return (64 if head_dim <= 128 else 32), 4, 3
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:

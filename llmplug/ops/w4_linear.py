@@ -4,8 +4,10 @@
 :mod:`llmplug.quant.formats` (``qweight (N, K // 2) uint8``, each group's first half in the low nibbles, its second
 half in the high nibbles). No dequantised copy is made:
 
-* the GEMV (one token) splits the sum per group, ``s * (sum(q * x) - z * sum(x))``, so the zero point costs one
-  multiply per group and row, and reads several groups per step;
+* the GEMV (one token) reads the weights as int32 words and decodes each nibble to ``128 + q`` in float32 with one
+  shift and one bitwise op (:func:`nibble_f32`); per group it sums ``s * (sum((128 + q) * x) - (128 + z) * sum(x))``
+  so the zero point and the offset cost one multiply per word, and it loads the next step's weights before doing
+  this step's math (two steps of loads in flight);
 * the GEMM dequantises one group of a weight tile in registers and runs two tensor-core dots per group (the low
   and the high halves pair with two contiguous slices of ``x``).
 """
@@ -32,35 +34,64 @@ def w4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 if triton is not None:
 
     @triton.jit
+    def nibble_f32(w, SHIFT: tl.constexpr):
+        """``128 + `` the nibble at bit ``SHIFT`` of each int32 word, exactly, as float32: the nibble shifted into
+        bits 16-19 of the mantissa of 128.0 (where a unit step is 1.0), one shift and one LOP3 per value."""
+        if SHIFT < 16:
+            w = w << (16 - SHIFT)
+        elif SHIFT > 16:
+            w = w >> (SHIFT - 16)
+        return ((w & 0x000F0000) | 0x43000000).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _w4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_sn,
                         stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, INTERPRETED: tl.constexpr):
+        # qweight read as int32 words: word t of a group's row holds bytes 4t..4t+3, i.e. the low nibbles of
+        # elements 4t..4t+3 and the high nibbles of elements HALF+4t..HALF+4t+3 (byte b at bits 8b).
+        GPS: tl.constexpr = GROUPS_PER_STEP
+        WORDS: tl.constexpr = GROUP // 8
         HALF: tl.constexpr = GROUP // 2
         num_groups = K // GROUP
         m = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
-        gi = tl.arange(0, GROUPS_PER_STEP)
-        p = tl.arange(0, HALF)
-        q_rows = q_ptr + rows.to(tl.int64)[:, None, None] * stride_qn
-        sz_rows = rows.to(tl.int64)[:, None] * stride_sn
-        x_row = x_ptr + m * stride_xm
-        acc = tl.zeros((BLOCK_N, GROUPS_PER_STEP), dtype=tl.float32)
-        for g0 in range(0, num_groups, GROUPS_PER_STEP):
-            g = g0 + gi  # (GPS,)
-            g_mask = g < num_groups
-            mask3 = row_mask[:, None, None] & g_mask[None, :, None]
-            b = tl.load(q_rows + (g * HALF)[None, :, None] + p[None, None, :], mask=mask3, other=0).to(tl.uint32)
-            x_lo = tl.load(x_row + (g * GROUP)[:, None] + p[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
-            x_hi = tl.load(x_row + (g * GROUP + HALF)[:, None] + p[None, :], mask=g_mask[:, None],
-                           other=0.0).to(tl.float32)
-            mask2 = row_mask[:, None] & g_mask[None, :]
-            s = tl.load(s_ptr + sz_rows + g[None, :], mask=mask2, other=0.0).to(tl.float32)  # (BLOCK_N, GPS)
-            z = tl.load(z_ptr + sz_rows + g[None, :], mask=mask2, other=0.0).to(tl.float32)
-            # per group: s * (sum(q * x) - z * sum(x)); q decoded exactly without int->float conversions
-            dot = tl.sum(u32_to_f32(b & 15) * x_lo[None, :, :] + u32_to_f32(b >> 4) * x_hi[None, :, :], axis=2)
-            acc += s * (dot - z * tl.sum(x_lo + x_hi, axis=1)[None, :])
-        y = tl.sum(acc, axis=1)
+        gi = tl.arange(0, GPS)
+        t = tl.arange(0, WORDS)
+        q_ptrs = q_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + (gi * WORDS)[None, :, None] + t[None, None, :]
+        s_ptrs = s_ptr + rows.to(tl.int64)[:, None] * stride_sn + gi[None, :]
+        z_ptrs = z_ptr + rows.to(tl.int64)[:, None] * stride_sn + gi[None, :]
+        x_ptrs = x_ptr + m * stride_xm + (gi * GROUP)[:, None, None] + 4 * t[None, :, None] + tl.arange(0, 4)
+        # per (row, group, word): s * (sum((128 + q) * x) - (128 + z) * sum(x)), reduced once at the end
+        acc = tl.zeros((BLOCK_N, GPS, WORDS), dtype=tl.float32)
+        mask2 = row_mask[:, None] & (gi < num_groups)[None, :]
+        w = tl.load(q_ptrs, mask=mask2[:, :, None], other=0)
+        s = tl.load(s_ptrs, mask=mask2, other=0.0)
+        z = tl.load(z_ptrs, mask=mask2, other=0.0)
+        for g0 in range(0, num_groups, GPS):
+            # the next step's weights, scales and zeros are loaded before this step's math: two steps in flight
+            g_mask = (g0 + gi) < num_groups
+            next_mask = row_mask[:, None] & ((g0 + GPS + gi) < num_groups)[None, :]
+            w_next = tl.load(q_ptrs + (g0 + GPS) * WORDS, mask=next_mask[:, :, None], other=0)
+            s_next = tl.load(s_ptrs + g0 + GPS, mask=next_mask, other=0.0)
+            z_next = tl.load(z_ptrs + g0 + GPS, mask=next_mask, other=0.0)
+            x_lo = tl.load(x_ptrs + g0 * GROUP, mask=g_mask[:, None, None], other=0.0).to(tl.float32)
+            x_hi = tl.load(x_ptrs + g0 * GROUP + HALF, mask=g_mask[:, None, None], other=0.0).to(tl.float32)
+            lo01, lo23 = tl.split(tl.reshape(x_lo, (GPS, WORDS, 2, 2)))  # (GPS, WORDS, 4) -> x[4t + b], b = 0..3
+            lo0, lo2 = tl.split(lo01)
+            lo1, lo3 = tl.split(lo23)
+            hi01, hi23 = tl.split(tl.reshape(x_hi, (GPS, WORDS, 2, 2)))
+            hi0, hi2 = tl.split(hi01)
+            hi1, hi3 = tl.split(hi23)
+            part = nibble_f32(w, 0) * lo0[None] + nibble_f32(w, 4) * hi0[None]
+            part += nibble_f32(w, 8) * lo1[None] + nibble_f32(w, 12) * hi1[None]
+            part += nibble_f32(w, 16) * lo2[None] + nibble_f32(w, 20) * hi2[None]
+            part += nibble_f32(w, 24) * lo3[None] + nibble_f32(w, 28) * hi3[None]
+            x_sum = (lo0 + lo1) + (lo2 + lo3) + (hi0 + hi1) + (hi2 + hi3)
+            z128 = z.to(tl.float32) + 128.0
+            acc += s.to(tl.float32)[:, :, None] * (part - z128[:, :, None] * x_sum[None])
+            w, s, z = w_next, s_next, z_next
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
         store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
 
     @triton.jit
@@ -106,13 +137,17 @@ def choose_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, in
     (``GROUPS_PER_STEP`` is the GEMV's), ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
 
     NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; bf16
-    cuBLAS in brackets). One token (1, 4, 4 groups, 4, 3): 14.7 / 10.5 / 51.7 / 32.2 [20.4 / 15.6 / 81.3 / 51.1], the
-    best of 8 configs on every shape but only 0.9-1.2 TB/s: the GEMV is bound by decode instructions, not bytes.
-    4-16 tokens (16, 32, 1, 4, 4, split-K by heuristic): 17.0 / 12.2 / 57.3 / 33.4. 64 tokens (64, 64): 27.8 / 18.5 /
-    92.6 / 56.5, 16% slower than cuBLAS bf16 [20.6 / 14.8 / 86.9 / 46.3].
+    cuBLAS in brackets). One token, the word-decoding GEMV with 16 rows a program: (16, 4 groups, 4 warps) on wide
+    outputs, (16, 8 groups, 8 warps) on deep or narrow ones: 12.2 / 8.4 / 39.6 / 25.0 [20.3 / 15.4 / 81.4 / 43.5],
+    1.1-1.6 TB/s, against 14.3 / 10.6 / 52.3 / 32.7 for the byte-decoding GEMV it replaced; tensor-core variants
+    (the token padded to 16) were slower on every shape but gate_up (a scratch A/B, not kept). 4-16 tokens (16, 32,
+    1, 4, 4, split-K by heuristic): 17.0 / 12.2 / 57.3 / 33.4. 64 tokens (64, 64): 27.8 / 18.5 / 92.6 / 56.5, 16%
+    slower than cuBLAS bf16 [20.6 / 14.8 / 86.9 / 46.3].
     """
     if m == 1:
-        return (1, 4, max(1, 512 // group_size), 4, 3, 1)
+        if k > n or n <= 4096:
+            return (1, 16, max(1, 1024 // group_size), 8, 1, 1)
+        return (1, 16, max(1, 512 // group_size), 4, 1, 1)
     if m <= 16:
         return (16, 32, 1, 4, 4, 0)
     if m <= 64:
@@ -134,8 +169,9 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     common = dict(HAS_BIAS=bias is not None, GROUP=group_size, BLOCK_N=block_n, INTERPRETED=INTERPRET,
                   num_warps=num_warps, num_stages=num_stages)
     if block_m == 1:
+        words = qweight.view(torch.int32)
         maybe_wrap(_w4_gemv_kernel)[(m, triton.cdiv(n, block_n))](
-            x, qweight, scales, zeros, b, out, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+            x, words, scales, zeros, b, out, n, k, x.stride(0), words.stride(0), scales.stride(0), out.stride(0),
             GROUPS_PER_STEP=groups_per_step, **common)
         return out
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)

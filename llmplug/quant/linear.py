@@ -9,7 +9,7 @@ from ..ops.act_mul import act_and_mul
 from ..ops.fp8_linear import fp8_linear, scaled_mm_supported
 from ..ops.w4_linear import w4_linear
 from ..ops.w8_linear import w8_linear
-from .formats import quantize_fp8, quantize_int4, quantize_int8
+from .formats import dequantize_int4, dequantize_rowwise, quantize_fp8, quantize_int4, quantize_int8
 
 METHODS = ("int8", "int4", "fp8")
 
@@ -86,6 +86,16 @@ class QuantLinear(nn.Module):
     def _fp8_gemm_ok(self, x: torch.Tensor) -> bool:
         n, k = self.qweight.shape
         return x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and scaled_mm_supported(x.device)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``(N, K)`` weight this module multiplies its input by (``perm`` undone), in ``dtype``."""
+        if self.method == "int4":
+            w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, dtype)
+        else:
+            w = dequantize_rowwise(self.qweight, self.scales, dtype)
+        if self.perm is not None:  # the module computes x[:, perm] @ w^T
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: (..., K)`` -> ``(..., N)``."""

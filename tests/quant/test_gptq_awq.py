@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 import llmplug
 from llmplug.ops._triton import cpu_kernels
 from llmplug.patches.undo import UndoLog
-from llmplug.quant.formats import dequantize_int4, sqnr_db
+from llmplug.quant.formats import sqnr_db
 from llmplug.quant.import_4bit import awq_linear, gptq_linear
 from llmplug.quant.linear import QuantLinear, fuse_quant_linears
 from tests.tiny_models import make_model, pad, prompts
@@ -102,16 +102,6 @@ def awq_tensors(w, group):
     return qweight, qzeros, scales, dequant_awq(qweight, qzeros, scales, group)
 
 
-def dequant_linear(linear: QuantLinear) -> torch.Tensor:
-    """The repacked module's ``W (N, K)`` float64 in the original input order."""
-    w = dequantize_int4(linear.qweight, linear.scales, linear.zeros, linear.group_size, torch.float64)
-    if linear.perm is None:
-        return w
-    out = torch.empty_like(w)
-    out[:, linear.perm] = w
-    return out
-
-
 def test_packers_match_known_words():
     codes = torch.arange(8, dtype=torch.uint8)
     qweight, qzeros = pack_gptq(codes[:, None], torch.full((1, 8), 7, dtype=torch.uint8))
@@ -134,7 +124,7 @@ def test_gptq_linear_is_exact(v1, act_order, sym, group):
                          checkpoint_format="gptq" if v1 else "gptq_v2", dtype=torch.float16)
     assert (linear.perm is not None) == (act_order and group != -1)
     assert linear.group_size == (256 if group == -1 else group)
-    assert torch.equal(dequant_linear(linear), w_ref)
+    assert torch.equal(linear.dequantize(torch.float64), w_ref)
 
 
 def test_gptq_v1_stored_15_reads_as_zero_16():
@@ -149,7 +139,7 @@ def test_gptq_v1_stored_15_reads_as_zero_16():
     g_idx = torch.arange(k, dtype=torch.int32) // group
     linear = gptq_linear(qweight, qzeros, scales, g_idx, group_size=group, dtype=torch.float32)
     assert linear.zeros[:3, 0].tolist() == [16.0] * 3
-    assert torch.equal(dequant_linear(linear), dequant_gptq(qweight, qzeros, scales, g_idx, v1=True))
+    assert torch.equal(linear.dequantize(torch.float64), dequant_gptq(qweight, qzeros, scales, g_idx, v1=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -159,7 +149,7 @@ def test_awq_linear_is_exact(group, dtype):
     qweight, qzeros, scales, w_ref = awq_tensors(torch.randn(n, k), k if group == -1 else group)
     linear = awq_linear(qweight, qzeros, scales, group_size=group, dtype=dtype)
     assert linear.perm is None
-    assert torch.equal(dequant_linear(linear), w_ref)
+    assert torch.equal(linear.dequantize(torch.float64), w_ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -50,6 +50,44 @@ if triton is not None:
         store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
 
     @triton.jit
+    def byte_f32(w, SHIFT: tl.constexpr):
+        """``256 + `` the byte at bit ``SHIFT`` of each int32 word, exactly, as float32: the byte shifted into bits
+        15-22 of the mantissa of 256.0 (where a unit step is 1.0), one shift and one LOP3 per value."""
+        if SHIFT < 15:
+            w = w << (15 - SHIFT)
+        elif SHIFT > 15:
+            w = w >> (SHIFT - 15)
+        return ((w & 0x007F8000) | 0x43800000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _w8_gemv_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, KW, stride_xm, stride_qn, stride_om,
+                              HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                              INTERPRETED: tl.constexpr):
+        # int8 weights read as int32 words (KW = K // 4; byte b of word t is element 4t + b). XOR-ing 0x80 into each
+        # byte gives q + 128 in [0, 255], which byte_f32 turns into 384 + q: y = (sum((384 + q) * x) - 384 * sum(x))
+        # * scale, with no per-byte extraction, sign flip or conversion.
+        m = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+        t = tl.arange(0, BLOCK_W)
+        q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qn + t[None, :]
+        x_ptrs = x_ptr + m * stride_xm + 4 * t
+        acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        for k in range(0, KW, BLOCK_W):
+            k_mask = (k + t) < KW
+            u = tl.load(q_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0) ^ -2139062144  # 0x80808080
+            x0 = tl.load(x_ptrs + 4 * k, mask=k_mask, other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptrs + 4 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptrs + 4 * k + 2, mask=k_mask, other=0.0).to(tl.float32)
+            x3 = tl.load(x_ptrs + 4 * k + 3, mask=k_mask, other=0.0).to(tl.float32)
+            acc += byte_f32(u, 0) * x0[None, :] + byte_f32(u, 8) * x1[None, :]
+            acc += byte_f32(u, 16) * x2[None, :] + byte_f32(u, 24) * x3[None, :]
+            x_sum += (x0 + x1) + (x2 + x3)
+        y = (tl.sum(acc, axis=1) - 384.0 * tl.sum(x_sum, axis=0)) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
+        store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
+
+    @triton.jit
     def _w8_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
@@ -83,12 +121,15 @@ def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]
 
     NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; bf16
     cuBLAS in brackets). One token, int8 (1, 4, 1024, 4, 3): 12.4 / 8.6 / 44.0 / 23.3 [20.4 / 15.6 / 81.3 / 51.1],
-    within 0.4 us of each shape's best. 4-16 tokens (16, 32, 256, 4, 4, split-K by heuristic): 16.3 / 12.4 / 53.3 /
+    within 0.4 us of each shape's best. Then the int8 GEMV read int32 words (a scratch A/B, not kept): 8 rows x 512
+    bytes on wider-than-deep shapes, 4 x 1024 otherwise: 12.4 / 8.9 / 42.7 / 24.0 against 12.2 / 10.0 / 44.7 / 28.3
+    for the byte kernel in the same run (fp8 weights keep the byte kernel; a prefetching variant was slower).
+    4-16 tokens (16, 32, 256, 4, 4, split-K by heuristic): 16.3 / 12.4 / 53.3 /
     31.0. 64 tokens (64, 128, 128, 4, 3): about cuBLAS bf16 (23.1 / 18.0 / 82.3 / 46.4 [20.6 / 14.8 / 86.9 / 46.3]).
     From 256 tokens on, these GEMMs reach 240-500 TFLOP/s against cuBLAS bf16's 550-800: prefill is slower than bf16.
     """
     if m == 1:
-        return (1, 4, 1024, 4, 3, 1)
+        return (1, 8, 512, 4, 3, 1) if n > k else (1, 4, 1024, 4, 3, 1)
     if m <= 16:
         return (16, 32, 256, 4, 4, 0)
     if m <= 64:
@@ -107,6 +148,13 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     n, k = qweight.shape
     out = x.new_empty((m, n))
     b = bias if bias is not None else scales
+    if block_m == 1 and qweight.dtype == torch.int8 and k % 4 == 0:
+        words = qweight.view(torch.int32)
+        maybe_wrap(_w8_gemv_words_kernel)[(m, triton.cdiv(n, block_n))](
+            x, words, scales, b, out, n, k // 4, x.stride(0), words.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_W=min(block_k // 4, next_pow2(k // 4)),
+            INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        return out
     if block_m == 1:
         maybe_wrap(_w8_gemv_kernel)[(m, triton.cdiv(n, block_n))](
             x, qweight, scales, b, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),

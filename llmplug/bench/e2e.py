@@ -58,7 +58,7 @@ def _llmplug_all_logits(model, ids: torch.Tensor) -> torch.Tensor:
             s.release()
 
 
-def _agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
+def row_agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
     """Greedy continuations ``(B, N)``: fraction of rows identical, and where each row first differs."""
     same = (a == b).all(dim=1)
     first = [(x != y).nonzero()[0].item() if not ok else a.shape[1] for x, y, ok in zip(a, b, same.tolist())]
@@ -127,7 +127,7 @@ def run(model_name: str, device: str, dtype: torch.dtype, *, new_tokens: int = 2
     eager_logits = model(input_ids=agree_rows["input_ids"]).logits
     model.set_attn_implementation(original)
     stock_logits = model(input_ids=agree_rows["input_ids"]).logits
-    res["stock_eager_vs_sdpa"] = _agreement(eager_agree, stock_agree)
+    res["stock_eager_vs_sdpa"] = row_agreement(eager_agree, stock_agree)
     res["stock_eager_vs_sdpa"]["teacher_forced_argmax"] = (
         (eager_logits.argmax(-1) == stock_logits.argmax(-1)).float().mean().item())
     del eager_logits
@@ -152,7 +152,7 @@ def run(model_name: str, device: str, dtype: torch.dtype, *, new_tokens: int = 2
                                            repeats=repeats) for b in batches}
     step("llmplug batches")
     ours = model.generate(**agree_rows, max_new_tokens=32, do_sample=False)[:, width:]
-    res["llmplug_vs_sdpa"] = _agreement(ours, stock_agree)
+    res["llmplug_vs_sdpa"] = row_agreement(ours, stock_agree)
     res["greedy_agreement_32"] = res["llmplug_vs_sdpa"]["rows_identical"]
     our_logits = _llmplug_all_logits(model, agree_rows["input_ids"])
     res["llmplug_vs_sdpa"]["teacher_forced_argmax"] = (

@@ -35,9 +35,10 @@ def run_mode(model, mode: str, args, ceil: dict) -> dict:
     vocab = model.config.vocab_size
     originals = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
     t0 = time.perf_counter()
+    exclude = {} if args.quantize_exclude is None else {"quantize_exclude": tuple(args.quantize_exclude)}
     llmplug.optimize(model, quantize=None if mode == "bf16" else mode, kv_cache_dtype=args.kv_cache_dtype,
-                     kv_memory_fraction=args.kv_memory_fraction)
-    res = {"mode": mode, "step_bytes": weight_bytes(model), "quantize_s": time.perf_counter() - t0}
+                     kv_memory_fraction=args.kv_memory_fraction, **exclude)
+    res = {"mode": mode, "step_bytes": weight_bytes(model), "quantize_s": time.perf_counter() - t0, **exclude}
     one = prompts(1, 128, vocab, "cuda", 1)
     gen = dict(max_new_tokens=args.new_tokens, do_sample=False)
     model.generate(**one, **gen)
@@ -71,6 +72,8 @@ def main() -> None:
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--modes", nargs="+", default=["bf16", "int8", "int4", "fp8"])
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--quantize-exclude", nargs="*", help="optimize's quantize_exclude (default: its own, lm_head); "
+                    "given with no names, lm_head is quantized too")
     ap.add_argument("--kv-memory-fraction", type=float, default=0.3)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--batches", nargs="*", type=int, default=[8, 32, 64])

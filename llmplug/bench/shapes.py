@@ -52,6 +52,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     embed = model.get_input_embeddings().weight
-    if embed.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+    head = getattr(model.get_output_embeddings(), "weight", None)  # None for a quantized lm_head
+    if head is None or embed.data_ptr() != head.data_ptr():
         total -= embed.numel() * embed.element_size()  # only one embedding row per token is read
     return total

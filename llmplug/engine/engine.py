@@ -95,7 +95,7 @@ class Engine(ServingMixin):
             swap = SwapSpace.sized(self.cache, self.config.swap_space_gb)
         self.scheduler = Scheduler(self.config, self.blocks, swap, copy_block=self.cache.copy_block)
         self.metrics = EngineMetrics(self.config)
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.get_output_embeddings().out_features  # nn.Linear or a quantized lm_head
         gen = model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else model.config.get_text_config().eos_token_id
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)

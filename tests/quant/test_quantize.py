@@ -93,11 +93,13 @@ def test_interpreted_kernels_end_to_end():
     assert torch.equal(got, want)
 
 
-def test_optimize_quantizes_and_the_engine_runs(references):
+@pytest.mark.parametrize("exclude", [("lm_head",), ()])
+def test_optimize_quantizes_and_the_engine_runs(references, exclude):
     model = make_model("llama")
     model.generation_config.eos_token_id = None
-    llmplug.optimize(model, quantize="int4", group_size=32)
+    llmplug.optimize(model, quantize="int4", group_size=32, quantize_exclude=exclude)
     assert _quantized_names(model)
+    assert isinstance(model.lm_head, QuantLinear) == (exclude == ())
     rows = prompts(4)
     ids, mask = pad(rows)
     want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)[:, ids.shape[1]:]

@@ -33,6 +33,8 @@ MODES = {  # name -> optimize overrides
     "fp8": {"quantize": "fp8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
     "int8-kv": {"kv_cache_dtype": "int8"},
+    "int8+lm_head": {"quantize": "int8", "quantize_exclude": ()},
+    "int4+lm_head": {"quantize": "int4", "quantize_exclude": ()},
 }
 
 

@@ -9,7 +9,8 @@ half in the high nibbles). No dequantised copy is made:
   so the zero point and the offset cost one multiply per word, and it loads the next step's weights before doing
   this step's math (two steps of loads in flight);
 * the GEMM dequantises one group of a weight tile in registers and runs two tensor-core dots per group (the low
-  and the high halves pair with two contiguous slices of ``x``).
+  and the high halves pair with two contiguous slices of ``x``); with 16-bit activations on the GPU the
+  dequantisation works on packed pairs in PTX (:func:`dequant_pairs`), about two values an instruction.
 """
 
 from __future__ import annotations
@@ -94,11 +95,45 @@ if triton is not None:
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
         store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
 
+    def _dequant_asm(magic: str, suffix: str) -> tl.constexpr:
+        """PTX for :func:`dequant_pairs` on four bytes: ``$4`` the bytes, ``$5, $6`` the zero points (plus the
+        offset), ``$7, $8`` the scales, two 16-bit values a register; out ``$0, $1`` low nibbles, ``$2, $3`` high."""
+        spread = [f"prmt.b32 t{i}, $4, z, {sel};" for i, sel in enumerate(("0x4140", "0x4342"))]
+        shift = [f"shr.b32 t{i + 2}, t{i}, 4;" for i in range(2)]
+        magic_or = [f"lop3.b32 ${o}, t{o}, 0x000F000F, {magic}, 0xEA;" for o in range(4)]
+        sub = [f"sub.rn.{suffix} ${o}, ${o}, ${5 + o % 2};" for o in range(4)]
+        mul = [f"mul.rn.{suffix} ${o}, ${o}, ${7 + o % 2};" for o in range(4)]
+        lines = [".reg .b32 t0, t1, t2, t3, z;", "mov.b32 z, 0;", *spread, *shift, *magic_or, *sub, *mul]
+        return tl.constexpr("{" + " ".join(lines) + "}")
+
+    _DEQUANT_BF16 = _dequant_asm("0x43004300", "bf16x2")  # bf16 128 + q
+    _DEQUANT_F16 = _dequant_asm("0x64006400", "f16x2")  # fp16 1024 + q
+
+    @triton.jit
+    def dequant_pairs(b, zero, scale, HALF_FLOAT: tl.constexpr):
+        """GPU only. ``b`` uint8 bytes, ``zero, scale`` of one shape in the 16-bit model dtype -> ``(lo, hi)`` in that
+        dtype: ``(nibble - zero) * scale`` for the low and the high nibbles, rounded once, as the fp32 formula rounds.
+
+        Four bytes at a time in PTX: ``prmt`` spreads two bytes into the halves of a word, one ``lop3`` ORs their
+        nibbles into the mantissa of 128 (bf16) or 1024 (fp16) so each half reads ``offset + q`` exactly, then packed
+        ``sub`` (``offset + zero``, exact) and ``mul`` (one rounding) finish two values an instruction.
+        """
+        if HALF_FLOAT:
+            return tl.inline_asm_elementwise(
+                asm=_DEQUANT_F16, constraints="=r,=r,=r,=r,r,r,r,r,r",
+                args=[b, (zero + 1024.0).to(scale.dtype), scale], dtype=(scale.dtype, scale.dtype), is_pure=True,
+                pack=4)
+        else:
+            return tl.inline_asm_elementwise(
+                asm=_DEQUANT_BF16, constraints="=r,=r,=r,=r,r,r,r,r,r",
+                args=[b, (zero + 128.0).to(scale.dtype), scale], dtype=(scale.dtype, scale.dtype), is_pure=True,
+                pack=4)
+
     @triton.jit
     def _w4_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn,
                         stride_sn, stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                        PRECISION: tl.constexpr, PACKED_DEQUANT: tl.constexpr, INTERPRETED: tl.constexpr):
         HALF: tl.constexpr = GROUP // 2
         pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         g_start = tl.program_id(1) * GROUPS_PER_SPLIT
@@ -114,44 +149,59 @@ if triton is not None:
         for g in range(g_start, g_end):
             a_lo = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             a_hi = tl.load(x_ptrs + HALF, mask=m_mask[:, None], other=0.0)
-            b = tl.load(q_ptrs, mask=n_mask[:, None], other=0).to(tl.uint32)
-            s = tl.load(s_ptr + sz_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            z = tl.load(z_ptr + sz_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            w_lo = (u32_to_f32(b & 15) - z) * s  # (BLOCK_N, HALF)
-            w_hi = (u32_to_f32(b >> 4) - z) * s
-            if INTERPRETED:  # the interpreter's tl.dot mishandles bf16: fp32 operands rounded as the GPU rounds
-                w_lo = round_rne(w_lo, x_ptr.dtype.element_ty)
-                w_hi = round_rne(w_hi, x_ptr.dtype.element_ty)
-                acc = tl.dot(a_lo.to(tl.float32), tl.trans(w_lo), acc, input_precision="ieee")
-                acc = tl.dot(a_hi.to(tl.float32), tl.trans(w_hi), acc, input_precision="ieee")
+            b = tl.load(q_ptrs, mask=n_mask[:, None], other=0)
+            s = tl.load(s_ptr + sz_ptrs + g, mask=n_mask, other=0.0)[:, None]
+            z = tl.load(z_ptr + sz_ptrs + g, mask=n_mask, other=0.0)[:, None]
+            if PACKED_DEQUANT:  # 16-bit activations on the GPU
+                w_lo, w_hi = dequant_pairs(b, tl.broadcast_to(z, (BLOCK_N, HALF)), tl.broadcast_to(s, (BLOCK_N, HALF)),
+                                           x_ptr.dtype.element_ty == tl.float16)
+                acc = tl.dot(a_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
+                acc = tl.dot(a_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
             else:
-                acc = tl.dot(a_lo, tl.trans(w_lo.to(a_lo.dtype)), acc, input_precision=PRECISION)
-                acc = tl.dot(a_hi, tl.trans(w_hi.to(a_hi.dtype)), acc, input_precision=PRECISION)
+                b = b.to(tl.uint32)
+                s = s.to(tl.float32)
+                z = z.to(tl.float32)
+                w_lo = (u32_to_f32(b & 15) - z) * s  # (BLOCK_N, HALF)
+                w_hi = (u32_to_f32(b >> 4) - z) * s
+                if INTERPRETED:  # the interpreter's tl.dot mishandles bf16: fp32 operands rounded as the GPU rounds
+                    w_lo = round_rne(w_lo, x_ptr.dtype.element_ty)
+                    w_hi = round_rne(w_hi, x_ptr.dtype.element_ty)
+                    acc = tl.dot(a_lo.to(tl.float32), tl.trans(w_lo), acc, input_precision="ieee")
+                    acc = tl.dot(a_hi.to(tl.float32), tl.trans(w_hi), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a_lo, tl.trans(w_lo.to(a_lo.dtype)), acc, input_precision=PRECISION)
+                    acc = tl.dot(a_hi, tl.trans(w_hi.to(a_hi.dtype)), acc, input_precision=PRECISION)
             x_ptrs += GROUP
             q_ptrs += HALF
         store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_om, b_ptr, HAS_BIAS, SPLIT_K, INTERPRETED)
 
 
-def choose_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int, int, int]:
+def choose_config(m: int, n: int, k: int, group_size: int,
+                  packed: bool = True) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV
     (``GROUPS_PER_STEP`` is the GEMV's), ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
+    ``packed``: the GEMM dequantises with packed 16-bit math (CUDA, bf16/fp16 activations).
 
     NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; bf16
     cuBLAS in brackets). One token, the word-decoding GEMV with 16 rows a program: (16, 4 groups, 4 warps) on wide
     outputs, (16, 8 groups, 8 warps) on deep or narrow ones: 12.2 / 8.4 / 39.6 / 25.0 [20.3 / 15.4 / 81.4 / 43.5],
-    1.1-1.6 TB/s, against 14.3 / 10.6 / 52.3 / 32.7 for the byte-decoding GEMV it replaced; tensor-core variants
-    (the token padded to 16) were slower on every shape but gate_up (a scratch A/B, not kept). 4-16 tokens (16, 32,
-    1, 4, 4, split-K by heuristic): 17.0 / 12.2 / 57.3 / 33.4. 64 tokens (64, 64): 27.8 / 18.5 / 92.6 / 56.5, 16%
-    slower than cuBLAS bf16 [20.6 / 14.8 / 86.9 / 46.3].
+    1.1-1.6 TB/s, against 14.3 / 10.6 / 52.3 / 32.7 for the byte-decoding GEMV it replaced. The GEMM with packed
+    dequantisation (PTX ``prmt``/``lop3`` + ``sub``/``mul`` on 16-bit pairs, :func:`dequant_pairs`), split-K by
+    heuristic: 16 tokens (16, 64 | 32, 1, 4, 4) 12.3 / 9.5 / 36.8 / 23.3 [20.8 / 16.0 / 82.6 / 49.5], so one token
+    on the gate_up- and down-like shapes goes there too; 64 tokens (64, 64, 1, 4, 4) 24.9 / 16.6 / 69.7 / 47.0
+    [20.6 / 14.7 / 86.9 / 46.2]; 256 tokens (128, 64, 1, 4, 4) 53.8 / 40.8 / 204.2 / 124.6 [23.6 / 19.1 / 101.6 /
+    59.0]. Before packed dequantisation: 16 tokens 17.0 / 12.2 / 57.3 / 33.4, 64 tokens 27.8 / 18.5 / 92.6 / 56.5.
     """
-    if m == 1:
+    if m == 1 and not (packed and (n >= 4 * k or k >= 2 * n)):
         if k > n or n <= 4096:
             return (1, 16, max(1, 1024 // group_size), 8, 1, 1)
         return (1, 16, max(1, 512 // group_size), 4, 1, 1)
     if m <= 16:
-        return (16, 32, 1, 4, 4, 0)
+        return (16, 64 if n > k else 32, 1, 4, 4, 0)
     if m <= 64:
         return (64, 64, 1, 4, 4, 0)
+    if m <= 256:
+        return (128, 64, 1, 4, 4, 0)
     return (128, 128, 1, 8, 3, 0)
 
 
@@ -179,7 +229,8 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     maybe_wrap(_w4_gemm_kernel)[(tiles, split)](
         x, qweight, scales, zeros, b, dest, m, n, k, per_split, x.stride(0), qweight.stride(0), scales.stride(0),
         out.stride(0), BLOCK_M=block_m, SPLIT_K=split, GROUP_M=8,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PACKED_DEQUANT=x.is_cuda and x.dtype in (torch.bfloat16, torch.float16), **common)
     return out if split == 1 else split_k_reduce(dest, bias, out)
 
 
@@ -217,6 +268,7 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
         raise ValueError(f"scales and zeros must be ({n}, {k // group_size}), got {tuple(scales.shape)} and "
                          f"{tuple(zeros.shape)}")
-    config = config or choose_config(x.shape[0], n, k, group_size)
+    config = config or choose_config(x.shape[0], n, k, group_size,
+                                     packed=x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
     return call_op(_w4_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,
                    *config)

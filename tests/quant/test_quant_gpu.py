@@ -7,7 +7,7 @@ import llmplug
 from llmplug.ops.fp8_linear import fp8_linear, fp8_linear_ref
 from llmplug.ops.w4_linear import w4_linear, w4_linear_ref
 from llmplug.ops.w8_linear import w8_linear, w8_linear_ref
-from llmplug.quant.formats import quantize_fp8, quantize_int4, quantize_int8, sqnr_db
+from llmplug.quant.formats import dequantize_int4, quantize_fp8, quantize_int4, quantize_int8, sqnr_db
 from tests.tiny_models import make_model, pad, prompts
 from tests.tolerances import KERNEL_VS_REF_SQNR_DB, QUANT_SQNR_DB
 
@@ -35,6 +35,24 @@ def test_kernels_at_8b_shapes(m, n, k):
         out = fp8_linear(x, *qf)
         assert sqnr_db(fp8_linear_ref(x, *qf), out) >= KERNEL_VS_REF_SQNR_DB
         assert sqnr_db(exact, out) >= QUANT_SQNR_DB["fp8"]
+
+
+@pytest.mark.parametrize("m", [1, 5, 64, 130])
+@pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336), (6144, 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_packed_dequantisation(m, n, k, dtype, group_size):
+    """The GEMM's packed bf16x2 / f16x2 dequantisation (also one token on gate_up- and down-like shapes) matches the
+    fp32 reference as the unpacked kernels do, and the weights it multiplies are the reference's, rounded once."""
+    w = torch.randn(n, k, device="cuda") * 0.02
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    q4 = [t.to(dtype) if t.is_floating_point() else t for t in quantize_int4(w, group_size)]
+    out = w4_linear(x, *q4, group_size)
+    assert sqnr_db(w4_linear_ref(x, *q4, group_size), out) >= KERNEL_VS_REF_SQNR_DB
+    eye = torch.eye(k, device="cuda", dtype=dtype)[:130]  # rows of the identity read W's first columns back
+    got = w4_linear(eye, *q4, group_size).t()
+    want = dequantize_int4(*q4, group_size, torch.float32)[:, :130].to(dtype)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])

@@ -13,6 +13,21 @@ import torch
 import transformers
 
 
+def git_commit() -> str | None:
+    """``HEAD``'s hash, with ``+dirty`` when tracked files differ from it; None without a usable git history (the
+    device tool's copy of the tree: record the commit by hand there)."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent)
+
+    try:
+        head, status = git("rev-parse", "--verify", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except OSError:
+        return None
+    if head.returncode or status.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
+
+
 def environment() -> dict:
     try:
         import triton
@@ -20,16 +35,10 @@ def environment() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    try:  # None where there is no git history (the device tool's copy of the tree): record the commit by hand
-        done = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent)
-        commit = done.stdout.strip() if done.returncode == 0 else None
-    except OSError:
-        commit = None
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__,
-        "commit": commit, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": git_commit(), "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
 

@@ -176,6 +176,12 @@ if triton is not None:
         store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_om, b_ptr, HAS_BIAS, SPLIT_K, INTERPRETED)
 
 
+def packed_dequant(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether the GEMM dequantises with packed 16-bit math: CUDA, bf16/fp16 activations, scales and zeros of the
+    same dtype (other scales keep the fp32 formula, which rounds once from them)."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and scales.dtype == zeros.dtype == x.dtype
+
+
 def choose_config(m: int, n: int, k: int, group_size: int,
                   packed: bool = True) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV
@@ -230,7 +236,7 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         x, qweight, scales, zeros, b, dest, m, n, k, per_split, x.stride(0), qweight.stride(0), scales.stride(0),
         out.stride(0), BLOCK_M=block_m, SPLIT_K=split, GROUP_M=8,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PACKED_DEQUANT=x.is_cuda and x.dtype in (torch.bfloat16, torch.float16), **common)
+        PACKED_DEQUANT=packed_dequant(x, scales, zeros), **common)
     return out if split == 1 else split_k_reduce(dest, bias, out)
 
 
@@ -269,6 +275,6 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         raise ValueError(f"scales and zeros must be ({n}, {k // group_size}), got {tuple(scales.shape)} and "
                          f"{tuple(zeros.shape)}")
     config = config or choose_config(x.shape[0], n, k, group_size,
-                                     packed=x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
+                                     packed=packed_dequant(x, scales, zeros))
     return call_op(_w4_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,
                    *config)

@@ -139,7 +139,8 @@ if triton is not None:
             q = q.to(tl.float32)
         elif QUANT and dt != tl.float32:
             # fp8/int8 pages: both matmuls in fp16, to which e4m3 and int8 values convert exactly and cheaply (bf16
-            # has no direct conversion from either); q and p (in [0, 1]) keep as many or more mantissa bits.
+            # has no direct conversion from either); q and p (in [0, 1]) keep as many or more mantissa bits. Limit:
+            # a bf16 query element beyond fp16's range (|q| > 65504) would overflow; queries are far smaller.
             q = q.to(tl.float16)
         mm_dt = q.dtype
 

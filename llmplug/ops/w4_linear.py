@@ -15,6 +15,8 @@ half in the high nibbles). No dequantised copy is made:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._qmm import grouped_tile, split_k_plan, split_k_reduce, store_rows, store_tile, u32_to_f32
@@ -78,12 +80,12 @@ if triton is not None:
             z_next = tl.load(z_ptrs + g0 + GPS, mask=next_mask, other=0.0)
             x_lo = tl.load(x_ptrs + g0 * GROUP, mask=g_mask[:, None, None], other=0.0).to(tl.float32)
             x_hi = tl.load(x_ptrs + g0 * GROUP + HALF, mask=g_mask[:, None, None], other=0.0).to(tl.float32)
-            lo01, lo23 = tl.split(tl.reshape(x_lo, (GPS, WORDS, 2, 2)))  # (GPS, WORDS, 4) -> x[4t + b], b = 0..3
-            lo0, lo2 = tl.split(lo01)
-            lo1, lo3 = tl.split(lo23)
-            hi01, hi23 = tl.split(tl.reshape(x_hi, (GPS, WORDS, 2, 2)))
-            hi0, hi2 = tl.split(hi01)
-            hi1, hi3 = tl.split(hi23)
+            lo02, lo13 = tl.split(tl.reshape(x_lo, (GPS, WORDS, 2, 2)))  # (GPS, WORDS, 4) -> x[4t + b], b = 0..3
+            lo0, lo2 = tl.split(lo02)
+            lo1, lo3 = tl.split(lo13)
+            hi02, hi13 = tl.split(tl.reshape(x_hi, (GPS, WORDS, 2, 2)))
+            hi0, hi2 = tl.split(hi02)
+            hi1, hi3 = tl.split(hi13)
             part = nibble_f32(w, 0) * lo0[None] + nibble_f32(w, 4) * hi0[None]
             part += nibble_f32(w, 8) * lo1[None] + nibble_f32(w, 12) * hi1[None]
             part += nibble_f32(w, 16) * lo2[None] + nibble_f32(w, 20) * hi2[None]
@@ -176,10 +178,19 @@ if triton is not None:
         store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_om, b_ptr, HAS_BIAS, SPLIT_K, INTERPRETED)
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def packed_dequant(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
-    """Whether the GEMM dequantises with packed 16-bit math: CUDA, bf16/fp16 activations, scales and zeros of the
-    same dtype (other scales keep the fp32 formula, which rounds once from them)."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and scales.dtype == zeros.dtype == x.dtype
+    """Whether the GEMM dequantises with packed 16-bit math: compiled (not interpreted) on CUDA, fp16 activations
+    (``f16x2`` math, any recent GPU) or bf16 ones on sm_90+ (``sub``/``mul.bf16x2`` are Hopper instructions), with
+    scales and zeros of the activations' dtype (other scales keep the fp32 formula, which rounds once from them)."""
+    if INTERPRET or not x.is_cuda or not scales.dtype == zeros.dtype == x.dtype:
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and _capability(index) >= (9, 0))
 
 
 def choose_config(m: int, n: int, k: int, group_size: int,

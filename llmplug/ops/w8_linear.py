@@ -49,6 +49,8 @@ if triton is not None:
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
         store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
 
+    SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: flips each byte's sign bit, q -> q + 128
+
     @triton.jit
     def byte_f32(w, SHIFT: tl.constexpr):
         """``256 + `` the byte at bit ``SHIFT`` of each int32 word, exactly, as float32: the byte shifted into bits
@@ -76,7 +78,7 @@ if triton is not None:
         x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
         for k in range(0, KW, BLOCK_W):
             k_mask = (k + t) < KW
-            u = tl.load(q_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0) ^ -2139062144  # 0x80808080
+            u = tl.load(q_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0) ^ SIGN_BITS
             x0 = tl.load(x_ptrs + 4 * k, mask=k_mask, other=0.0).to(tl.float32)
             x1 = tl.load(x_ptrs + 4 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
             x2 = tl.load(x_ptrs + 4 * k + 2, mask=k_mask, other=0.0).to(tl.float32)
@@ -84,7 +86,8 @@ if triton is not None:
             acc += byte_f32(u, 0) * x0[None, :] + byte_f32(u, 8) * x1[None, :]
             acc += byte_f32(u, 16) * x2[None, :] + byte_f32(u, 24) * x3[None, :]
             x_sum += (x0 + x1) + (x2 + x3)
-        y = (tl.sum(acc, axis=1) - 384.0 * tl.sum(x_sum, axis=0)) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
+        # the offset comes off lane by lane, before the lanes' sums add up (less cancellation than after)
+        y = tl.sum(acc - 384.0 * x_sum[None, :], axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
         store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
 
     @triton.jit

@@ -37,22 +37,33 @@ def test_kernels_at_8b_shapes(m, n, k):
         assert sqnr_db(exact, out) >= QUANT_SQNR_DB["fp8"]
 
 
+def _int4(n, k, dtype, group_size):
+    w = torch.randn(n, k, device="cuda") * 0.02
+    return [t.to(dtype) if t.is_floating_point() else t for t in quantize_int4(w, group_size)]
+
+
 @pytest.mark.parametrize("m", [1, 5, 64, 130])
-@pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336), (6144, 4096)])
+@pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336), (6168, 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [32, 128, 256])
+def test_int4_packed_dequantisation(m, n, k, dtype, group_size):
+    """The GEMM's packed bf16x2 / f16x2 dequantisation (also one token on gate_up- and down-like shapes; a ragged
+    last tile of rows) matches the fp32 reference as the unpacked kernels do."""
+    q4 = _int4(n, k, dtype, group_size)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    assert sqnr_db(w4_linear_ref(x, *q4, group_size), w4_linear(x, *q4, group_size)) >= KERNEL_VS_REF_SQNR_DB
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group_size", [32, 128])
-def test_int4_packed_dequantisation(m, n, k, dtype, group_size):
-    """The GEMM's packed bf16x2 / f16x2 dequantisation (also one token on gate_up- and down-like shapes) matches the
-    fp32 reference as the unpacked kernels do, and the weights it multiplies are the reference's, rounded once."""
-    w = torch.randn(n, k, device="cuda") * 0.02
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    q4 = [t.to(dtype) if t.is_floating_point() else t for t in quantize_int4(w, group_size)]
-    out = w4_linear(x, *q4, group_size)
-    assert sqnr_db(w4_linear_ref(x, *q4, group_size), out) >= KERNEL_VS_REF_SQNR_DB
-    eye = torch.eye(k, device="cuda", dtype=dtype)[:130]  # rows of the identity read W's first columns back
+def test_int4_packed_dequantisation_rounds_once(dtype, group_size):
+    """The weights the packed GEMM multiplies are the reference's, rounded once: rows of the identity read W's first
+    columns back bit for bit."""
+    n, k = 6168, 4096
+    q4 = _int4(n, k, dtype, group_size)
+    eye = torch.eye(k, device="cuda", dtype=dtype)[:130]
     got = w4_linear(eye, *q4, group_size).t()
-    want = dequantize_int4(*q4, group_size, torch.float32)[:, :130].to(dtype)
-    assert torch.equal(got, want)
+    assert torch.equal(got, dequantize_int4(*q4, group_size, torch.float32)[:, :130].to(dtype))
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])

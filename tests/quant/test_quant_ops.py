@@ -53,6 +53,16 @@ def test_w4_linear(m, n, k, dtype, group_size):
     assert sqnr_db(_exact(x, w, b), out) >= QUANT_SQNR_DB["int4"]
 
 
+@pytest.mark.parametrize("m,n,k,group_size", [(1, 19, 1280, 64), (1, 21, 768, 256), (3, 21, 768, 256)])
+def test_w4_linear_ragged_steps_and_group_256(m, n, k, group_size):
+    """The GEMV over several steps with a ragged last one (20 groups, 16 a step), and 256-wide groups."""
+    w, x = torch.randn(n, k), torch.randn(m, k, dtype=torch.bfloat16)
+    q, s, z = quantize_int4(w, group_size)
+    out = w4_linear(x, q, s, z, group_size)
+    assert sqnr_db(w4_linear_ref(x, q, s, z, group_size), out) >= KERNEL_VS_REF_SQNR_DB
+    assert sqnr_db(_exact(x, w, None), out) >= QUANT_SQNR_DB["int4"]
+
+
 W4_CONFIGS = [(1, 2, 4, 4, 3, 1), (16, 16, 1, 4, 2, 1), (16, 16, 1, 4, 2, 4), (32, 32, 1, 4, 2, 0)]
 
 

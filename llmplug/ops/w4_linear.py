@@ -199,15 +199,12 @@ def choose_config(m: int, n: int, k: int, group_size: int,
     (``GROUPS_PER_STEP`` is the GEMV's), ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
     ``packed``: the GEMM dequantises with packed 16-bit math (CUDA, bf16/fp16 activations).
 
-    NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; bf16
-    cuBLAS in brackets). One token, the word-decoding GEMV with 16 rows a program: (16, 4 groups, 4 warps) on wide
-    outputs, (16, 8 groups, 8 warps) on deep or narrow ones: 12.2 / 8.4 / 39.6 / 25.0 [20.3 / 15.4 / 81.4 / 43.5],
-    1.1-1.6 TB/s, against 14.3 / 10.6 / 52.3 / 32.7 for the byte-decoding GEMV it replaced. The GEMM with packed
-    dequantisation (PTX ``prmt``/``lop3`` + ``sub``/``mul`` on 16-bit pairs, :func:`dequant_pairs`), split-K by
-    heuristic: 16 tokens (16, 64 | 32, 1, 4, 4) 12.3 / 9.5 / 36.8 / 23.3 [20.8 / 16.0 / 82.6 / 49.5], so one token
-    on the gate_up- and down-like shapes goes there too; 64 tokens (64, 64, 1, 4, 4) 24.9 / 16.6 / 69.7 / 47.0
-    [20.6 / 14.7 / 86.9 / 46.2]; 256 tokens (128, 64, 1, 4, 4) 53.8 / 40.8 / 204.2 / 124.6 [23.6 / 19.1 / 101.6 /
-    59.0]. Before packed dequantisation: 16 tokens 17.0 / 12.2 / 57.3 / 33.4, 64 tokens 27.8 / 18.5 / 92.6 / 56.5.
+    NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
+    bf16 in brackets; history in BENCHMARKS.md). One token, word GEMV (16 rows, 4 groups, 4 warps wide; 8 groups, 8
+    warps deep or narrow): 12.2 / 8.4 / 39.6 / 25.0 [20.3 / 15.4 / 81.4 / 43.5]. Packed-dequant GEMM: 16 tokens
+    (16, 64 | 32) 12.3 / 9.5 / 36.8 / 23.3 [20.8 / 16.0 / 82.6 / 49.5] -- hence one token on gate_up- and down-like
+    shapes goes there too; 64 tokens (64, 64) 24.9 / 16.6 / 69.7 / 47.0 [20.6 / 14.7 / 86.9 / 46.2]; 256 tokens
+    (128, 64) 53.8 / 40.8 / 204.2 / 124.6 [23.6 / 19.1 / 101.6 / 59.0].
     """
     if m == 1 and not (packed and (n >= 4 * k or k >= 2 * n)):
         if k > n or n <= 4096:

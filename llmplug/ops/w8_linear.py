@@ -122,16 +122,12 @@ def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV kernel,
     ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
 
-    NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; bf16
-    cuBLAS in brackets). One token, int8 (1, 4, 1024, 4, 3): 12.4 / 8.6 / 44.0 / 23.3 [20.4 / 15.6 / 81.3 / 51.1],
-    within 0.4 us of each shape's best. Then the int8 GEMV read int32 words: 8 rows x 512 bytes on wider-than-deep
-    shapes, 4 x 1024 otherwise: 12.4 / 8.9 / 42.7 / 24.0 against 12.2 / 10.0 / 44.7 / 28.3 for the byte kernel in one
-    scratch A/B run; in the run of commit 3336aff 12.5 / 9.5 / 44.4 / 25.6, with fp8 weights (byte kernel, same
-    tiles) at 11.4 / 9.8 / 42.8 / 27.8 and batch-1 decode up from 242.4 to 249.2 tok/s. A prefetching variant was
-    slower.
-    4-16 tokens (16, 32, 256, 4, 4, split-K by heuristic): 16.3 / 12.4 / 53.3 /
-    31.0. 64 tokens (64, 128, 128, 4, 3): about cuBLAS bf16 (23.1 / 18.0 / 82.3 / 46.4 [20.6 / 14.8 / 86.9 / 46.3]).
-    From 256 tokens on, these GEMMs reach 240-500 TFLOP/s against cuBLAS bf16's 550-800: prefill is slower than bf16.
+    NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
+    bf16 in brackets; history in BENCHMARKS.md). One token, 8 rows x 512 bytes on wider-than-deep shapes, 4 x 1024
+    otherwise: int8 word GEMV 12.5 / 9.5 / 44.4 / 25.6, fp8 byte GEMV 11.4 / 9.8 / 42.8 / 27.8 [20.4 / 15.6 / 81.3
+    / 51.1]. 4-16 tokens (16, 32, 256, 4, 4, split-K by heuristic): 16.3 / 12.4 / 53.3 / 31.0. 64 tokens (64, 128,
+    128, 4, 3): about cuBLAS bf16 (23.1 / 18.0 / 82.3 / 46.4 [20.6 / 14.8 / 86.9 / 46.3]). From 256 tokens on,
+    these GEMMs reach 240-500 TFLOP/s against cuBLAS bf16's 550-800: prefill is slower than bf16.
     """
     if m == 1:
         return (1, 8, 512, 4, 3, 1) if n > k else (1, 4, 1024, 4, 3, 1)

@@ -275,15 +275,10 @@ def _num_sms(device: torch.device) -> int:
 
 def _tile_config(head_dim: int, elem_size: int, cache_elem_size: int) -> tuple[int, int, int]:
     """``(BLOCK_N, num_warps, num_stages)`` for a (padded) head dim and the query's and cache's element sizes."""
-    # NOTE: untuned. fp16/bf16: 64 tokens per tile up to D=128, else 32, so one K or V tile is <= 16 KiB. fp32 (ieee
-    # dots run on FMA units, which need many more registers): 16. Compile-only check (triton 3.9, sm_90a, ptxas): bf16
-    # D=128 -> 96-126 registers, 39 KiB shared memory (the pipeliner prefetches the next tile's K/V and the block ids
-    # two tiles ahead), so >= 4 programs fit per SM and batch 64 x 8 kv heads = 512 programs is one wave on 132 SMs;
-    # bf16 D=256 -> 158 registers (3 per SM); fp32 D<=256 -> <= 128 registers, no spills (fp32 BLOCK_N=32 spilled).
-    # NOTE: fp8/int8 pages (both matmuls in fp16): H100, 2026-11-22, batch 64 x 32 heads (8 kv) x D=128, us at
-    # context 384 / 2048 (bf16 pages 38.5 / 181.2): 128 tokens on 4 warps fp8 33.5 / 144.6, int8 36.3 / 163.3; 64 on
-    # 4 warps 42.5 / 187.4; 64 on 8 warps (the former choice) 60.9 / 277.7; 128 on 8 warps 52.7 / 220.7. Batch 1 x
-    # 8k: 15.2 (fp8) against bf16's 15.7. D=256 halves the tile to keep shared memory within bounds.
+    # NOTE: bf16/fp16 pages: 64 tokens a tile up to D=128, else 32 (a K or V tile <= 16 KiB), so >= 4 programs fit
+    # an SM (sm_90a: 96-126 registers, 39 KiB shared memory at D=128); fp32 (FMA dots): 16. fp8/int8 pages (both
+    # matmuls in fp16), H100, 2026-11-22, batch 64 x 32 heads (8 kv) x D=128, us at context 384 / 2048 (bf16 pages
+    # 38.5 / 181.2): 128 tokens on 4 warps fp8 33.5 / 144.6, int8 36.3 / 163.3; 64 on 8 warps (before) 60.9 / 277.7.
     if elem_size >= 4:
         return 16, 4, 3
     if cache_elem_size == 1:

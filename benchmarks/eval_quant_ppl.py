@@ -10,7 +10,6 @@ llmplug's own forward (paged KV, fused kernels) in windows of ``--seq-len`` toke
 
 import argparse
 import copy
-import json
 import math
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import llmplug  # noqa: E402
+from llmplug.bench import report  # noqa: E402
 from llmplug.engine.metadata import AttentionMetadata  # noqa: E402
 from llmplug.kv.allocator import SequenceBlocks  # noqa: E402
 
@@ -82,24 +82,34 @@ def perplexity(model, val: torch.Tensor, seq_len: int, chunk: int, max_windows: 
     return math.exp(nll / count)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def trained_model_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--model --corpus --device --dtype``: the trained model and the stdlib copy holding its held-out split."""
     ap.add_argument("--model", default=str(ROOT / "models" / "llmplug-stdlib-small"))
     ap.add_argument("--corpus", type=Path, required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    return ap
+
+
+def load_trained(args) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The model of ``args.model`` in ``args.dtype`` on ``args.device``, and its held-out token stream (on CPU)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+    return model, held_out_ids(AutoTokenizer.from_pretrained(args.model), args.corpus)
+
+
+def main() -> None:
+    ap = trained_model_args(argparse.ArgumentParser())
     ap.add_argument("--modes", nargs="+", default=list(MODES))
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--max-windows", type=int)
     ap.add_argument("--out")
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    tok = AutoTokenizer.from_pretrained(args.model)
-    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
-    val = held_out_ids(tok, args.corpus).to(args.device)
+    base, val = load_trained(args)
+    val = val.to(args.device)
     res = {"model": args.model, "device": str(args.device), "dtype": args.dtype, "val_tokens": val.numel(),
            "seq_len": args.seq_len, "chunk": args.chunk, "ppl": {}, "quantized_linears": {}}
     for mode in args.modes:
@@ -117,7 +127,7 @@ def main() -> None:
         for m, p in res["ppl"].items():
             print(f"| {m} | {p:.4f} | {res['increase_pct'][m]:+.2f}% |")
     if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        report.save({**report.environment(), **res}, args.out)
 
 
 if __name__ == "__main__":

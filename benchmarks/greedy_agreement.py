@@ -13,13 +13,12 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from eval_quant_ppl import held_out_ids  # noqa: E402
+from eval_quant_ppl import load_trained, trained_model_args  # noqa: E402
 
 import llmplug  # noqa: E402
 from llmplug.bench import report  # noqa: E402
@@ -28,19 +27,13 @@ from llmplug.bench.e2e import row_agreement  # noqa: E402
 
 @torch.inference_mode()
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(ROOT / "models" / "llmplug-stdlib-small"))
-    ap.add_argument("--corpus", type=Path, required=True)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap = trained_model_args(argparse.ArgumentParser())
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--out")
     args = ap.parse_args()
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
-    ids = held_out_ids(AutoTokenizer.from_pretrained(args.model), args.corpus)
+    model, ids = load_trained(args)
     stride = (ids.numel() - args.prompt_len) // args.prompts
     rows = torch.stack([ids[i * stride: i * stride + args.prompt_len] for i in range(args.prompts)]).to(args.device)
     gen = dict(attention_mask=torch.ones_like(rows), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,

@@ -22,6 +22,20 @@ if triton is not None:
         return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
+    def field_f32(w, SHIFT: tl.constexpr, BITS: tl.constexpr, OFFSET_LOG2: tl.constexpr):
+        """``2^OFFSET_LOG2 +`` the ``BITS``-bit unsigned field at bit ``SHIFT`` of each int32 word, exactly, as float32:
+        the field moved to the mantissa bits of ``2^OFFSET_LOG2`` where a unit step is 1.0 (one shift, one LOP3).
+
+        Nibbles: ``(BITS, OFFSET_LOG2) = (4, 7)`` gives 128 + q; bytes: ``(8, 8)`` gives 256 + u. A small offset keeps
+        the later subtraction of ``offset * sum(x)`` from costing precision."""
+        TO: tl.constexpr = 23 - OFFSET_LOG2
+        if SHIFT < TO:
+            w = w << (TO - SHIFT)
+        elif SHIFT > TO:
+            w = w >> (SHIFT - TO)
+        return ((w & (((1 << BITS) - 1) << TO)) | ((127 + OFFSET_LOG2) << 23)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def w8_to_f32(w):
         """int8 (two's complement) or float8e4nv weights -> float32."""
         if w.dtype == tl.int8:

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from ._qmm import grouped_tile, split_k_plan, split_k_reduce, store_rows, store_tile, u32_to_f32
+from ._qmm import field_f32, grouped_tile, split_k_plan, split_k_reduce, store_rows, store_tile, u32_to_f32
 from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, round_rne, tl, triton, use_triton
 
 
@@ -38,13 +38,8 @@ if triton is not None:
 
     @triton.jit
     def nibble_f32(w, SHIFT: tl.constexpr):
-        """``128 + `` the nibble at bit ``SHIFT`` of each int32 word, exactly, as float32: the nibble shifted into
-        bits 16-19 of the mantissa of 128.0 (where a unit step is 1.0), one shift and one LOP3 per value."""
-        if SHIFT < 16:
-            w = w << (16 - SHIFT)
-        elif SHIFT > 16:
-            w = w >> (SHIFT - 16)
-        return ((w & 0x000F0000) | 0x43000000).to(tl.float32, bitcast=True)
+        """``128 +`` the nibble at bit ``SHIFT`` of each int32 word, exactly, as float32."""
+        return field_f32(w, SHIFT, 4, 7)
 
     @triton.jit
     def _w4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_sn,

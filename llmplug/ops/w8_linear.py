@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._qmm import grouped_tile, split_k_plan, split_k_reduce, store_rows, store_tile, w8_to_f32
+from ._qmm import field_f32, grouped_tile, split_k_plan, split_k_reduce, store_rows, store_tile, w8_to_f32
 from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -52,22 +52,12 @@ if triton is not None:
     SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: flips each byte's sign bit, q -> q + 128
 
     @triton.jit
-    def byte_f32(w, SHIFT: tl.constexpr):
-        """``256 + `` the byte at bit ``SHIFT`` of each int32 word, exactly, as float32: the byte shifted into bits
-        15-22 of the mantissa of 256.0 (where a unit step is 1.0), one shift and one LOP3 per value."""
-        if SHIFT < 15:
-            w = w << (15 - SHIFT)
-        elif SHIFT > 15:
-            w = w >> (SHIFT - 15)
-        return ((w & 0x007F8000) | 0x43800000).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _w8_gemv_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, KW, stride_xm, stride_qn, stride_om,
                               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                               INTERPRETED: tl.constexpr):
         # int8 weights read as int32 words (KW = K // 4; byte b of word t is element 4t + b). XOR-ing 0x80 into each
-        # byte gives q + 128 in [0, 255], which byte_f32 turns into 384 + q: y = (sum((384 + q) * x) - 384 * sum(x))
-        # * scale, with no per-byte extraction, sign flip or conversion.
+        # byte gives q + 128 in [0, 255], which field_f32(.., 8, 8) turns into 384 + q:
+        # y = (sum((384 + q) * x) - 384 * sum(x)) * scale, with no per-byte extraction, sign flip or conversion.
         m = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
@@ -83,8 +73,8 @@ if triton is not None:
             x1 = tl.load(x_ptrs + 4 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
             x2 = tl.load(x_ptrs + 4 * k + 2, mask=k_mask, other=0.0).to(tl.float32)
             x3 = tl.load(x_ptrs + 4 * k + 3, mask=k_mask, other=0.0).to(tl.float32)
-            acc += byte_f32(u, 0) * x0[None, :] + byte_f32(u, 8) * x1[None, :]
-            acc += byte_f32(u, 16) * x2[None, :] + byte_f32(u, 24) * x3[None, :]
+            acc += field_f32(u, 0, 8, 8) * x0[None, :] + field_f32(u, 8, 8, 8) * x1[None, :]
+            acc += field_f32(u, 16, 8, 8) * x2[None, :] + field_f32(u, 24, 8, 8) * x3[None, :]
             x_sum += (x0 + x1) + (x2 + x3)
         # the offset comes off lane by lane, before the lanes' sums add up (less cancellation than after)
         y = tl.sum(acc - 384.0 * x_sum[None, :], axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)

@@ -1,6 +1,10 @@
 """Where a batch-1 decode step's time goes: graph replay alone vs the whole generate step, and a per-kernel
-breakdown of one eager decode step (torch.profiler). Usage: python benchmarks/profile_decode.py llama-8b"""
+breakdown of one eager decode step (torch.profiler).
 
+    python benchmarks/profile_decode.py llama-8b [--batch 1] [--quantize int4]
+"""
+
+import argparse
 import sys
 import time
 from collections import defaultdict
@@ -16,9 +20,9 @@ from llmplug.engine.runner import decode_metadata  # noqa: E402
 
 
 @torch.inference_mode()
-def main(name: str, batch: int = 1) -> None:
+def main(name: str, batch: int = 1, quantize: str | None = None) -> None:
     model = build(name, torch.bfloat16, "cuda")
-    llmplug.optimize(model)
+    llmplug.optimize(model, quantize=quantize)
     ids = torch.randint(3, 1000, (batch, 128), device="cuda")
     model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
     runner = model._llmplug_runner
@@ -39,8 +43,8 @@ def main(name: str, batch: int = 1) -> None:
     torch.cuda.synchronize()
     replay = start.elapsed_time(end) / 100 * 1e-3
     wb = weight_bytes(model)
-    print(f"{name} b{batch}: generate step {step * 1e3:.3f} ms, graph replay {replay * 1e3:.3f} ms, "
-          f"weights {wb / 1e9:.2f} GB -> {wb / replay / 1e12:.2f} TB/s during replay")
+    print(f"{name} {quantize or 'bf16'} b{batch}: generate step {step * 1e3:.3f} ms, "
+          f"graph replay {replay * 1e3:.3f} ms, weights {wb / 1e9:.2f} GB -> {wb / replay / 1e12:.2f} TB/s in replay")
     pos = torch.full((batch,), 200, device="cuda")
     bt = buf["block_tables"][:batch]
     meta = decode_metadata(pos, bt, runner.block_size)
@@ -54,9 +58,14 @@ def main(name: str, batch: int = 1) -> None:
             per[e.name[:70]][1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
     total = sum(v[1] for v in per.values())
     print(f"eager step kernels: {sum(v[0] for v in per.values())} launches, {total / 1e3:.3f} ms of kernel time")
-    for k, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:18]:
+    for k, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:24]:
         print(f"  {us / 1e3:8.3f} ms {n:5d}x  {k}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--quantize", choices=("int8", "int4", "fp8"))
+    args = ap.parse_args()
+    main(args.shape, args.batch, args.quantize)

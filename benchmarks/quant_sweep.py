@@ -27,7 +27,7 @@ from llmplug.ops.w8_linear import w8_linear, w8_linear_ref  # noqa: E402
 from llmplug.quant.formats import quantize_fp8, quantize_int4, quantize_int8, sqnr_db  # noqa: E402
 
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
-          "8b.down+silu": (4096, 14336)}
+          "8b.down+silu": (4096, 14336), "8b.lm_head": (128256, 4096)}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 # (BLOCK_M, BLOCK_N, BLOCK_K or GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K); SPLIT_K 0 = the heuristic
 GEMV = [(1, 2, 1024, 4, 4, 1), (1, 4, 512, 4, 4, 1), (1, 8, 512, 4, 4, 1), (1, 16, 256, 4, 4, 1),
@@ -38,6 +38,9 @@ SKINNY = [(16, 32, 256, 4, 4, 0), (16, 64, 128, 4, 4, 0), (16, 32, 256, 4, 4, 1)
           (32, 64, 128, 4, 4, 0)]
 SKINNY4 = [(16, 32, 1, 4, 4, 0), (16, 64, 1, 4, 4, 0), (16, 32, 1, 4, 4, 1), (16, 128, 1, 4, 3, 0),
            (32, 64, 1, 4, 4, 0)]
+# one token only: deeper pipelines and explicit split-K for the padded tensor-core GEMM
+SKINNY4_ONE = [(16, 64, 1, 4, 6, 0), (16, 64, 1, 4, 8, 0), (16, 32, 1, 4, 6, 0), (16, 32, 1, 2, 6, 0),
+               (16, 64, 1, 4, 4, 2), (16, 32, 1, 4, 4, 4), (16, 128, 1, 8, 4, 0), (16, 64, 1, 8, 6, 0)]
 GEMM = [(64, 64, 128, 4, 4, 0), (64, 128, 64, 4, 4, 0), (64, 128, 128, 4, 3, 0), (128, 128, 64, 8, 3, 0),
         (128, 256, 64, 8, 3, 0), (128, 128, 128, 8, 3, 0)]
 GEMM4 = [(64, 64, 1, 4, 4, 0), (64, 128, 1, 4, 4, 0), (64, 128, 1, 4, 3, 0), (128, 128, 1, 8, 3, 0),
@@ -47,7 +50,7 @@ GEMM4 = [(64, 64, 1, 4, 4, 0), (64, 128, 1, 4, 4, 0), (64, 128, 1, 4, 3, 0), (12
 def candidates(method: str, m: int):
     if method == "int4":
         if m == 1:  # the tensor-core GEMM (token padded to 16) competes with the GEMV on wide and deep shapes
-            return GEMV4 + SKINNY4
+            return GEMV4 + SKINNY4 + SKINNY4_ONE
         return SKINNY4 if m <= 32 else GEMM4
     if m == 1:
         return GEMV
@@ -60,16 +63,18 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
+    ap.add_argument("--methods", nargs="*", default=["int8", "fp8_wo", "int4"], choices=["int8", "fp8_wo", "int4"])
     args = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "rows": []}
+    m_fp8 = max(args.tokens) >= 16  # the fp8 _scaled_mm row
     for name in args.shapes:
         n, k = SHAPES[name]
         act = "silu" if name.endswith("+silu") else ""
         dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(4)]
         quant = {
-            "int8": [quantize_int8(w) for w in dense],
-            "int4": [quantize_int4(w, 128) for w in dense],
-            "fp8": [quantize_fp8(w) for w in dense],
+            "int8": [quantize_int8(w) for w in dense] if "int8" in args.methods else None,
+            "int4": [quantize_int4(w, 128) for w in dense] if "int4" in args.methods else None,
+            "fp8": [quantize_fp8(w) for w in dense] if "fp8_wo" in args.methods or m_fp8 else None,
         }
         wbytes = {"bf16": n * k * 2, "int8": n * k + 4 * n, "fp8": n * k + 4 * n, "int4": n * k // 2 + n * k // 32}
         for m in args.tokens if not act else [1]:
@@ -94,6 +99,8 @@ def main() -> None:
                          lambda w, xin=xin: w4_linear_ref(xin, *w, 128)),
             }
             for method, (fn, ref) in runs.items():
+                if method not in args.methods:
+                    continue
                 copies = quant["fp8" if method == "fp8_wo" else method]
                 want = ref(copies[0]).float()
                 best = None

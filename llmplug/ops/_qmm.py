@@ -106,6 +106,7 @@ def split_k_reduce(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tenso
 
 
 _SMS: dict[int, int] = {}
+_SMEM: dict[int, int] = {}
 
 
 def num_sms(device: torch.device) -> int:
@@ -116,6 +117,16 @@ def num_sms(device: torch.device) -> int:
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SMS[index]
+
+
+def smem_bytes(device: torch.device) -> int:
+    """Shared memory one program may use on a CUDA device (opt-in maximum); unbounded (2^31) for the interpreter."""
+    if device.type != "cuda":
+        return 1 << 31
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMEM:
+        _SMEM[index] = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    return _SMEM[index]
 
 
 def split_k_plan(split_k: int, tiles: int, k_steps: int, out: torch.Tensor) -> tuple[int, int, torch.Tensor]:

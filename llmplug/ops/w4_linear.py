@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from ._qmm import field_f32, grouped_tile, split_k_plan, split_k_reduce, store_rows, store_tile, u32_to_f32
+from ._qmm import field_f32, grouped_tile, smem_bytes, split_k_plan, split_k_reduce, store_rows, store_tile, u32_to_f32
 from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, round_rne, tl, triton, use_triton
 
 
@@ -188,11 +188,13 @@ def packed_dequant(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     return x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and _capability(index) >= (9, 0))
 
 
-def choose_config(m: int, n: int, k: int, group_size: int,
-                  packed: bool = True) -> tuple[int, int, int, int, int, int]:
+def choose_config(m: int, n: int, k: int, group_size: int, packed: bool = True, x_bytes: int = 2,
+                  smem: int = 1 << 31) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV
     (``GROUPS_PER_STEP`` is the GEMV's), ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
-    ``packed``: the GEMM dequantises with packed 16-bit math (CUDA, bf16/fp16 activations).
+    ``packed``: the GEMM dequantises with packed 16-bit math (CUDA, bf16/fp16 activations). The GEMM's K step is
+    one group, so its pipeline depth (and, for wide groups of fp32 activations, BLOCK_M) shrinks to fit ``smem``
+    bytes of shared memory given ``x_bytes`` per activation.
 
     NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
     bf16 in brackets; history in BENCHMARKS.md). One token, word GEMV (16 rows, 4 groups, 4 warps wide; 8 groups, 8
@@ -206,12 +208,18 @@ def choose_config(m: int, n: int, k: int, group_size: int,
             return (1, 16, max(1, 1024 // group_size), 8, 1, 1)
         return (1, 16, max(1, 512 // group_size), 4, 1, 1)
     if m <= 16:
-        return (16, 64 if n > k else 32, 1, 4, 4, 0)
-    if m <= 64:
-        return (64, 64, 1, 4, 4, 0)
-    if m <= 256:
-        return (128, 64, 1, 4, 4, 0)
-    return (128, 128, 1, 8, 3, 0)
+        block_m, block_n, warps, stages = 16, 64 if n > k else 32, 4, 4
+    elif m <= 64:
+        block_m, block_n, warps, stages = 64, 64, 4, 4
+    elif m <= 256:
+        block_m, block_n, warps, stages = 128, 64, 4, 4
+    else:
+        block_m, block_n, warps, stages = 128, 128, 8, 3
+    budget = smem - 32 * 1024  # room for the epilogue's layout conversion
+    while block_m > 16 and 2 * (block_m * group_size * x_bytes + block_n * group_size // 2) > budget:
+        block_m //= 2
+    stage = block_m * group_size * x_bytes + block_n * group_size // 2  # x tile + packed weight tile
+    return (block_m, block_n, 1, warps, max(1, min(stages, budget // stage)), 0)
 
 
 @llmplug_op("w4_linear")
@@ -277,7 +285,7 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
         raise ValueError(f"scales and zeros must be ({n}, {k // group_size}), got {tuple(scales.shape)} and "
                          f"{tuple(zeros.shape)}")
-    config = config or choose_config(x.shape[0], n, k, group_size,
-                                     packed=packed_dequant(x, scales, zeros))
+    config = config or choose_config(x.shape[0], n, k, group_size, packed=packed_dequant(x, scales, zeros),
+                                     x_bytes=x.element_size(), smem=smem_bytes(x.device))
     return call_op(_w4_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,
                    *config)

@@ -5,6 +5,7 @@ import torch
 
 from llmplug.ops._qmm import choose_split_k
 from llmplug.ops.fp8_linear import fp8_linear, fp8_linear_ref, quantize_rows_fp8, quantize_rows_fp8_ref
+from llmplug.ops.w4_linear import choose_config as w4_choose_config
 from llmplug.ops.w4_linear import w4_linear, w4_linear_ref
 from llmplug.ops.w8_linear import w8_linear, w8_linear_ref
 from llmplug.quant.formats import (
@@ -135,6 +136,18 @@ def test_choose_split_k():
     assert choose_split_k(tiles=400, k_steps=64, sms=132) == 1
     assert choose_split_k(tiles=4, k_steps=8, sms=132) == 2  # keeps >= 4 K steps a split
     assert choose_split_k(tiles=1, k_steps=1024, sms=132) == 16
+
+
+@pytest.mark.parametrize("x_bytes", [2, 4])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+def test_w4_gemm_config_fits_shared_memory(group_size, x_bytes):
+    # an H100's opt-in limit; the GEMM's K step is one group, so wide groups used to ask for 312 KB (GPU failure)
+    smem = 232448
+    for m in (1, 16, 64, 130, 256, 300, 4096):
+        block_m, block_n, _, _, stages, _ = w4_choose_config(m, 28672, 4096, group_size, x_bytes=x_bytes, smem=smem)
+        if block_m > 1:
+            stage = block_m * group_size * x_bytes + block_n * group_size // 2
+            assert stage * stages <= smem - 32 * 1024, (m, group_size, x_bytes, block_m, stages)
 
 
 def test_bad_input():

@@ -101,7 +101,7 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
     raw_logits = () if want_dict and generation_config.output_logits else None
     has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     batch = input_ids.shape[0]
-    unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
+    unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
 
     plain_greedy = (not generation_config.do_sample and len(logits_processor) == 0 and scores is None
                     and raw_logits is None)
@@ -127,8 +127,8 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
                     next_tokens = torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
                 else:
                     next_tokens = torch.argmax(next_scores, dim=-1)
-            if has_eos:
-                next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
+            if has_eos:  # HF's next * unfinished + pad * (1 - unfinished), in one kernel
+                next_tokens = torch.where(unfinished, next_tokens, pad)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
             if streamer is not None:
                 streamer.put(next_tokens.cpu())
@@ -146,7 +146,7 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
                 if not unfinished.any():
                     break
             else:
-                done_host.copy_(unfinished.max() == 0, non_blocking=True)
+                done_host.copy_(~unfinished.any(), non_blocking=True)
                 done_event = torch.cuda.Event()
                 done_event.record()
             logits = seqs.decode(next_tokens)

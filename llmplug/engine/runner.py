@@ -13,6 +13,7 @@ import torch
 
 from ..config import OptimizeConfig
 from ..kv.cache import PagedKVCache, kv_storage_dtype
+from ..ops._triton import programmatic_launch
 from .attention import ATTENTION_NAME
 from .metadata import AttentionMetadata
 
@@ -124,7 +125,8 @@ class ModelRunner:
         self.ensure_cache()
         self.meta = meta
         try:
-            return self.forward_fn(self, input_ids, positions, logits_indices)
+            with programmatic_launch():  # the step's kernels may overlap their predecessors' tails (weights are fixed)
+                return self.forward_fn(self, input_ids, positions, logits_indices)
         finally:
             self.meta = None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import INTERPRET, maybe_wrap, round_rne, tl, triton
+from ._triton import INTERPRET, maybe_wrap, pdl_options, round_rne, tl, triton, wait_inputs
 
 MAGIC = 8388608.0  # 2^23: float(bits(2^23) | u) == 2^23 + u for u < 2^23
 
@@ -82,7 +82,8 @@ if triton is not None:
 
     @triton.jit
     def _split_k_reduce_kernel(ws_ptr, b_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+                               BLOCK: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+        wait_inputs(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < MN
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -101,7 +102,7 @@ def split_k_reduce(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tenso
     block = 1024
     maybe_wrap(_split_k_reduce_kernel)[(triton.cdiv(m * n, block),)](
         ws, bias if bias is not None else ws, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block,
-        INTERPRETED=INTERPRET, num_warps=4)
+        INTERPRETED=INTERPRET, num_warps=4, **pdl_options(out))
     return out
 
 

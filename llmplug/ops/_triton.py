@@ -9,6 +9,12 @@ Every op in ``llmplug/ops`` follows one pattern:
 
 Under ``TRITON_INTERPRET=1`` (set before ``triton`` is imported) the kernels run on CPU tensors through
 Triton's interpreter; that is how CPU CI tests them.
+
+Programmatic dependent launch (Hopper and later, :func:`pdl_options`): a decode step is a chain of ~300 short
+kernels, and each one's launch, ramp-up and first weight reads would otherwise wait for its predecessor's tail. Kernels
+that take a ``PDL`` constexpr call :func:`wait_inputs` before their first read of anything an earlier kernel wrote
+(activations, KV pages, block tables) and before their first write; weights may be read before it, which is why PDL
+is used only inside :func:`programmatic_launch` (model steps, whose weights no kernel writes).
 """
 
 from __future__ import annotations
@@ -29,11 +35,20 @@ except ImportError:  # pragma: no cover - platforms without triton
     tl = None
     HAS_TRITON = False
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - Triton without grid dependency control
+    HAS_GDC = False
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _cpu_kernels = [INTERPRET]
+_PDL_CAPABLE: dict[int, bool] = {}
+_pdl_scope = [False]
 
-__all__ = ["HAS_TRITON", "INTERPRET", "call_op", "cpu_kernels", "llmplug_op", "maybe_wrap", "next_pow2", "round_rne",
-           "tl", "triton", "use_triton"]
+__all__ = ["HAS_TRITON", "INTERPRET", "call_op", "cpu_kernels", "llmplug_op", "maybe_wrap", "next_pow2", "pdl_options",
+           "programmatic_launch", "round_rne", "tl", "triton", "use_triton", "wait_inputs"]
 
 
 def llmplug_op(name: str, mutates_args: tuple[str, ...] | str = ()):
@@ -89,7 +104,45 @@ def maybe_wrap(kernel):
     return torch.library.wrap_triton(kernel)
 
 
+@contextlib.contextmanager
+def programmatic_launch(enabled: bool = True):
+    """Kernels launched inside may use programmatic dependent launch (see :func:`pdl_options`). For steps of a model
+    whose weights stay fixed: the kernels read weights before the previous kernel has finished."""
+    _pdl_scope.append(enabled)
+    try:
+        yield
+    finally:
+        _pdl_scope.pop()
+
+
+def pdl_options(t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel with a ``PDL`` constexpr working on ``t``'s device.
+
+    ``{"PDL": True, "launch_pdl": True}`` inside :func:`programmatic_launch` on a CUDA device of compute capability
+    9.0 or later in eager mode (CUDA-graph capture included), so the kernel may start while the previous kernel in the
+    stream finishes; ``{"PDL": False}`` otherwise: outside that scope, the interpreter, older GPUs, Triton without grid
+    dependency control, ``torch.compile`` tracing (Inductor launches the kernel itself) and ``LLMPLUG_PDL=0`` in the
+    environment.
+    """
+    if not (_pdl_scope[-1] and HAS_GDC and t.is_cuda and not INTERPRET and os.environ.get("LLMPLUG_PDL", "1") != "0"):
+        return {"PDL": False}
+    if torch.compiler.is_compiling() or _current_dispatch_mode() is not None:
+        return {"PDL": False}
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _PDL_CAPABLE:
+        _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return {"PDL": True, "launch_pdl": True} if _PDL_CAPABLE[index] else {"PDL": False}
+
+
 if triton is not None:
+
+    @triton.jit
+    def wait_inputs(PDL: tl.constexpr):
+        """Under programmatic dependent launch: block until the previous kernel in the stream has finished and its
+        writes are visible, then let the next kernel start launching. A no-op when ``PDL`` is false."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @triton.jit
     def round_rne(x, DTYPE: tl.constexpr):

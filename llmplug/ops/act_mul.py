@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, pdl_options, tl, triton, use_triton, wait_inputs
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -24,7 +24,9 @@ def act_and_mul_ref(gu: torch.Tensor, activation: str) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _act_and_mul_kernel(gu_ptr, out_ptr, N, stride_gu, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    def _act_and_mul_kernel(gu_ptr, out_ptr, N, stride_gu, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):
+        wait_inputs(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
@@ -50,7 +52,8 @@ def _act_and_mul_op(gu: torch.Tensor, activation: str) -> torch.Tensor:
         return out
     block = min(1024, next_pow2(n))
     grid = (rows, triton.cdiv(n, block))
-    maybe_wrap(_act_and_mul_kernel)[grid](gu, out, n, gu.stride(0), out.stride(0), ACT=activation, BLOCK=block)
+    maybe_wrap(_act_and_mul_kernel)[grid](gu, out, n, gu.stride(0), out.stride(0), ACT=activation, BLOCK=block,
+                                           **pdl_options(gu))
     return out
 
 

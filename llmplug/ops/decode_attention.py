@@ -29,7 +29,19 @@ import functools
 
 import torch
 
-from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from ._triton import (
+    INTERPRET,
+    call_op,
+    llmplug_op,
+    maybe_wrap,
+    next_pow2,
+    pdl_options,
+    round_rne,
+    tl,
+    triton,
+    use_triton,
+    wait_inputs,
+)
 from .kv_quant import check_scales, is_quantized, read_pages_ref, tile_v_scales
 from .kv_store import check_caches
 
@@ -114,7 +126,9 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr,
         INTERPRETED: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_inputs(PDL)
         # QUANT: fp8/int8 pages with per-token scales.
         # Inductor passes Python floats as fp64 (eager Triton as fp32): pin them, or the scores turn fp64.
         score_scale = tl.cast(score_scale, tl.float32)
@@ -238,7 +252,9 @@ if triton is not None:
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
         INTERPRETED: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_inputs(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
@@ -386,6 +402,7 @@ def _decode_attention_op(
         INTERPRETED=INTERPRET,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_options(q),
     )
     if splits > 1:
         maybe_wrap(_decode_attn_combine_kernel)[(bsz, num_heads)](
@@ -401,6 +418,7 @@ def _decode_attention_op(
             BLOCK_D=block_d,
             INTERPRETED=INTERPRET,
             num_warps=1 if block_d <= 64 else 2,
+            **pdl_options(q),
         )
     return out
 

@@ -13,7 +13,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from ._triton import (
+    INTERPRET,
+    call_op,
+    llmplug_op,
+    maybe_wrap,
+    next_pow2,
+    pdl_options,
+    round_rne,
+    tl,
+    triton,
+    use_triton,
+    wait_inputs,
+)
 from .act_mul import act_and_mul_ref
 
 ACTIVATIONS = ("", "silu", "gelu_tanh")
@@ -30,31 +42,37 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 if triton is not None:
 
     @triton.jit
+    def _x_tile(x_ptr, k, cols, K, ACT: tl.constexpr, INTERPRETED: tl.constexpr):
+        """``x[k + cols]`` in fp32, or ``act(gate) * up`` there, rounded as the unfused ``act_and_mul`` output is."""
+        k_mask = (k + cols) < K
+        xk = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32)
+        if ACT != "":
+            up = tl.load(x_ptr + K + k + cols, mask=k_mask, other=0.0).to(tl.float32)
+            if ACT == "silu":
+                xk = xk / (1.0 + tl.exp(-xk))
+            else:  # gelu_tanh
+                inner = 0.7978845608028654 * (xk + 0.044715 * xk * xk * xk)
+                xk = 0.5 * xk * (2.0 / (1.0 + tl.exp(-2.0 * inner)))
+            if INTERPRETED:
+                xk = round_rne(xk * up, x_ptr.dtype.element_ty)
+            else:
+                xk = (xk * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        return xk
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_mask = (k + cols) < K
-            w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            xk = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32)
-            if ACT != "":
-                up = tl.load(x_ptr + K + k + cols, mask=k_mask, other=0.0).to(tl.float32)
-                if ACT == "silu":
-                    xk = xk / (1.0 + tl.exp(-xk))
-                else:  # gelu_tanh
-                    inner = 0.7978845608028654 * (xk + 0.044715 * xk * xk * xk)
-                    xk = 0.5 * xk * (2.0 / (1.0 + tl.exp(-2.0 * inner)))
-                # round like the unfused act_and_mul output that F.linear would read
-                if INTERPRETED:
-                    xk = round_rne(xk * up, x_ptr.dtype.element_ty)
-                else:
-                    xk = (xk * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-            acc += w.to(tl.float32) * xk[None, :]
-            w_ptrs += BLOCK_K
+        # the first weight tile is read before waiting for x (under PDL, while the previous kernel finishes)
+        w = tl.load(w_ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
+        wait_inputs(PDL)
+        acc = w.to(tl.float32) * _x_tile(x_ptr, 0, cols, K, ACT, INTERPRETED)[None, :]
+        for k in range(BLOCK_K, K, BLOCK_K):
+            w = tl.load(w_ptrs + k, mask=row_mask[:, None] & ((k + cols) < K)[None, :], other=0.0)
+            acc += w.to(tl.float32) * _x_tile(x_ptr, k, cols, K, ACT, INTERPRETED)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -94,7 +112,7 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a
     maybe_wrap(_gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
         ACT=activation, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETED=INTERPRET, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **pdl_options(x))
     return out
 
 

@@ -8,7 +8,19 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from ._triton import (
+    INTERPRET,
+    call_op,
+    llmplug_op,
+    maybe_wrap,
+    next_pow2,
+    pdl_options,
+    round_rne,
+    tl,
+    triton,
+    use_triton,
+    wait_inputs,
+)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
@@ -37,7 +49,8 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner, N, stride_xo, stride_xi,
                          stride_res, eps, offset, HAS_RESIDUAL: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                         INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                         INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_inputs(PDL)
         # Row r of the (n_rows, N) output is x[r // inner, r % inner, :]; a 2D x has inner == 1.
         # Inductor passes Python floats as fp64 (eager Triton as fp32): pin them, or the math turns fp64.
         eps = tl.cast(eps, tl.float32)
@@ -83,7 +96,7 @@ def _launch(x, weight, out, eps, offset, residual=None, residual_out=None):
     maybe_wrap(_rms_norm_kernel)[(triton.cdiv(n_rows, rows),)](
         x, residual, weight, out, residual_out, n_rows, inner, n, x.stride(0), stride_xi, residual.stride(0), eps,
         offset, HAS_RESIDUAL=has_residual, ROUND_FIRST=offset == 0.0, INTERPRETED=INTERPRET, ROWS=rows, BLOCK=block,
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl_options(x))
 
 
 @llmplug_op("rms_norm")

@@ -10,7 +10,19 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from ._triton import (
+    INTERPRET,
+    call_op,
+    llmplug_op,
+    maybe_wrap,
+    next_pow2,
+    pdl_options,
+    round_rne,
+    tl,
+    triton,
+    use_triton,
+    wait_inputs,
+)
 from .kv_quant import QMAX, quantize_rows
 from .kv_store import check_store_inputs, store_kv_ref
 
@@ -47,7 +59,8 @@ if triton is not None:
     def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, H, HKV,
                               D, HALF, page, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                               stride_cos, stride_sin, HEADS: tl.constexpr, BLOCK_D: tl.constexpr, QMAX_: tl.constexpr,
-                              IS_INT: tl.constexpr, INTERPRETED: tl.constexpr):
+                              IS_INT: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+        wait_inputs(PDL)
         # Program (t, j) handles heads j*HEADS.. of token t, counting q's H heads, then k's HKV, then v's HKV.
         # QMAX_ > 0: an fp8/int8 cache; k/v rows are stored quantized, scales at [slot // page, head, slot % page].
         t = tl.program_id(0).to(tl.int64)
@@ -110,7 +123,7 @@ def _rope_store_kv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         k_cache.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), HEADS=heads, BLOCK_D=block_d,
         QMAX_=QMAX[k_cache.dtype] if quantized else 0.0, IS_INT=k_cache.dtype == torch.int8, INTERPRETED=INTERPRET,
-        num_warps=max(1, min(8, heads * block_d // 256)))
+        num_warps=max(1, min(8, heads * block_d // 256)), **pdl_options(q))
 
 
 @_rope_store_kv_op.register_fake

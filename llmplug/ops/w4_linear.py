@@ -20,7 +20,18 @@ import functools
 import torch
 
 from ._qmm import field_f32, grouped_tile, smem_bytes, split_k_plan, split_k_reduce, store_rows, store_tile, u32_to_f32
-from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, round_rne, tl, triton, use_triton
+from ._triton import (
+    INTERPRET,
+    call_op,
+    llmplug_op,
+    maybe_wrap,
+    pdl_options,
+    round_rne,
+    tl,
+    triton,
+    use_triton,
+    wait_inputs,
+)
 
 
 def w4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -43,8 +54,8 @@ if triton is not None:
 
     @triton.jit
     def _w4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_sn,
-                        stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, INTERPRETED: tl.constexpr):
+                        stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUPS_PER_STEP: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         # qweight read as int32 words: word t of a group's row holds bytes 4t..4t+3, i.e. the low nibbles of
         # elements 4t..4t+3 and the high nibbles of elements HALF+4t..HALF+4t+3 (byte b at bits 8b).
         GPS: tl.constexpr = GROUPS_PER_STEP
@@ -66,6 +77,7 @@ if triton is not None:
         w = tl.load(q_ptrs, mask=mask2[:, :, None], other=0)
         s = tl.load(s_ptrs, mask=mask2, other=0.0)
         z = tl.load(z_ptrs, mask=mask2, other=0.0)
+        wait_inputs(PDL)  # the first step's weights are in flight; x comes from the previous kernel
         for g0 in range(0, num_groups, GPS):
             # the next step's weights, scales and zeros are loaded before this step's math: two steps in flight
             g_mask = (g0 + gi) < num_groups
@@ -130,7 +142,9 @@ if triton is not None:
     def _w4_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn,
                         stride_sn, stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        PRECISION: tl.constexpr, PACKED_DEQUANT: tl.constexpr, INTERPRETED: tl.constexpr):
+                        PRECISION: tl.constexpr, PACKED_DEQUANT: tl.constexpr, INTERPRETED: tl.constexpr,
+                        PDL: tl.constexpr):
+        wait_inputs(PDL)
         HALF: tl.constexpr = GROUP // 2
         pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         g_start = tl.program_id(1) * GROUPS_PER_SPLIT
@@ -234,7 +248,7 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     out = x.new_empty((m, n))
     b = bias if bias is not None else scales
     common = dict(HAS_BIAS=bias is not None, GROUP=group_size, BLOCK_N=block_n, INTERPRETED=INTERPRET,
-                  num_warps=num_warps, num_stages=num_stages)
+                  num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
     if block_m == 1:
         words = qweight.view(torch.int32)
         maybe_wrap(_w4_gemv_kernel)[(m, triton.cdiv(n, block_n))](

@@ -13,7 +13,18 @@ from __future__ import annotations
 import torch
 
 from ._qmm import field_f32, grouped_tile, split_k_plan, split_k_reduce, store_rows, store_tile, w8_to_f32
-from ._triton import INTERPRET, call_op, llmplug_op, maybe_wrap, next_pow2, tl, triton, use_triton
+from ._triton import (
+    INTERPRET,
+    call_op,
+    llmplug_op,
+    maybe_wrap,
+    next_pow2,
+    pdl_options,
+    tl,
+    triton,
+    use_triton,
+    wait_inputs,
+)
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -32,7 +43,8 @@ if triton is not None:
     @triton.jit
     def _w8_gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_om,
                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        INTERPRETED: tl.constexpr):
+                        INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+        wait_inputs(PDL)
         m = tl.program_id(0)  # tokens vary fastest, so programs sharing weight rows run together (L2 reuse)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
@@ -54,7 +66,8 @@ if triton is not None:
     @triton.jit
     def _w8_gemv_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, KW, stride_xm, stride_qn, stride_om,
                               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                              INTERPRETED: tl.constexpr):
+                              INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+        wait_inputs(PDL)
         # int8 weights read as int32 words (KW = K // 4; byte b of word t is element 4t + b). XOR-ing 0x80 into each
         # byte gives q + 128 in [0, 255], which field_f32(.., 8, 8) turns into 384 + q:
         # y = (sum((384 + q) * x) - 384 * sum(x)) * scale, with no per-byte extraction, sign flip or conversion.
@@ -84,7 +97,8 @@ if triton is not None:
     def _w8_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-                        INTERPRETED: tl.constexpr):
+                        INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+        wait_inputs(PDL)
         pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         k_start = tl.program_id(1) * K_PER_SPLIT
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -144,13 +158,13 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         maybe_wrap(_w8_gemv_words_kernel)[(m, triton.cdiv(n, block_n))](
             x, words, scales, b, out, n, k // 4, x.stride(0), words.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_W=min(block_k // 4, next_pow2(k // 4)),
-            INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+            INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
         return out
     if block_m == 1:
         maybe_wrap(_w8_gemv_kernel)[(m, triton.cdiv(n, block_n))](
             x, qweight, scales, b, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)),
-            INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+            INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
         return out
     block_k = max(16, min(block_k, next_pow2(k)))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -160,7 +174,7 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         x, qweight, scales, b, dest, m, n, k, k_per_split, x.stride(0), qweight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_M=8,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRETED=INTERPRET, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **pdl_options(x))
     return out if split == 1 else split_k_reduce(dest, bias, out)
 
 

@@ -2,7 +2,7 @@
 
 ``y = x @ W^T (+ bias)`` with ``W[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G]``; layout in
 :mod:`llmplug.quant.formats` (``qweight (N, K // 2) uint8``, each group's first half in the low nibbles, its second
-half in the high nibbles). No dequantised copy is made:
+half in the high nibbles). No dequantised copy of the model is kept:
 
 * the GEMV (one token) reads the weights as int32 words and decodes each nibble to ``128 + q`` in float32 with one
   shift and one bitwise op (:func:`nibble_f32`); per group it sums ``s * (sum((128 + q) * x) - (128 + z) * sum(x))``
@@ -10,7 +10,9 @@ half in the high nibbles). No dequantised copy is made:
   this step's math (two steps of loads in flight);
 * the GEMM dequantises one group of a weight tile in registers and runs two tensor-core dots per group (the low
   and the high halves pair with two contiguous slices of ``x``); with 16-bit activations on the GPU the
-  dequantisation works on packed pairs in PTX (:func:`dequant_pairs`), about two values an instruction.
+  dequantisation works on packed pairs in PTX (:func:`dequant_pairs`), about two values an instruction;
+* from ``DENSE_MIN_TOKENS`` rows on (compute-bound prefill) one layer's weight is dequantised into a transient
+  16-bit ``(N, K)`` buffer for cuBLAS (:func:`dense_path`), freed after the matmul.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from ._qmm import field_f32, grouped_tile, smem_bytes, split_k_plan, split_k_reduce, store_rows, store_tile, u32_to_f32
 from ._triton import (
@@ -187,9 +190,50 @@ if triton is not None:
         store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_om, b_ptr, HAS_BIAS, SPLIT_K, INTERPRETED)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _w4_dequant_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn, stride_sn, stride_on, GROUP: tl.constexpr,
+                           BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+        # program (i, g): rows i*BLOCK_N.. of group g; low nibbles -> the group's first half, high -> its second
+        HALF: tl.constexpr = GROUP // 2
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        g = tl.program_id(1)
+        p = tl.arange(0, HALF)
+        mask = (rows < N)[:, None]
+        r64 = rows.to(tl.int64)[:, None]
+        b = tl.load(q_ptr + r64 * stride_qn + g * HALF + p[None, :], mask=mask, other=0).to(tl.uint32)
+        s = tl.load(s_ptr + r64 * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + r64 * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
+        wait_inputs(PDL)
+        lo = (u32_to_f32(b & 15) - z) * s
+        hi = (u32_to_f32(b >> 4) - z) * s
+        if INTERPRETED:
+            lo = round_rne(lo, out_ptr.dtype.element_ty)
+            hi = round_rne(hi, out_ptr.dtype.element_ty)
+        out = out_ptr + r64 * stride_on + g * GROUP + p[None, :]
+        tl.store(out, lo.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF, hi.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# NOTE: placeholder until benchmarks/quant_sweep.py measures the crossover (fused GEMM vs dequantise + cuBLAS)
+DENSE_MIN_TOKENS = 512
+
+
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def dense_path(x: torch.Tensor) -> bool:
+    """Whether ``x @ W^T`` runs as dequantise-then-cuBLAS: CUDA, 16-bit activations, at least ``DENSE_MIN_TOKENS``
+    rows, not inside CUDA-graph capture (the transient ``(N, K)`` weight would stay reserved in the graph's pool).
+
+    Large token counts are compute-bound: the fused GEMM reaches about half of cuBLAS's rate there, while writing one
+    layer's dequantised weight costs about what reading it at 16 bits would (it is freed right after the matmul).
+    """
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.shape[0] >= DENSE_MIN_TOKENS
+            and not torch.cuda.is_current_stream_capturing())
 
 
 def packed_dequant(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
@@ -234,6 +278,34 @@ def choose_config(m: int, n: int, k: int, group_size: int, packed: bool = True, 
         block_m //= 2
     stage = block_m * group_size * x_bytes + block_n * group_size // 2  # x tile + packed weight tile
     return (block_m, block_n, 1, warps, max(1, min(stages, budget // stage)), 0)
+
+
+@llmplug_op("w4_dequantize")
+def _w4_dequantize_op(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    if not use_triton(qweight):
+        from ..quant.formats import dequantize_int4
+
+        return dequantize_int4(qweight, scales, zeros, group_size, dtype)
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    block_n = 32
+    maybe_wrap(_w4_dequant_kernel)[(triton.cdiv(n, block_n), k // group_size)](
+        qweight, scales, zeros, out, n, qweight.stride(0), scales.stride(0), out.stride(0), GROUP=group_size,
+        BLOCK_N=block_n, INTERPRETED=INTERPRET, num_warps=4, **pdl_options(qweight))
+    return out
+
+
+@_w4_dequantize_op.register_fake
+def _(qweight, scales, zeros, group_size, dtype):
+    return qweight.new_empty((qweight.shape[0], 2 * qweight.shape[1]), dtype=dtype)
+
+
+def w4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``W (N, K)`` in ``dtype`` from the packed ``qweight (N, K // 2)``, rounded once from the fp32 formula (as
+    :func:`~llmplug.quant.formats.dequantize_int4`)."""
+    return call_op(_w4_dequantize_op, qweight, scales, zeros, group_size, dtype)
 
 
 @llmplug_op("w4_linear")
@@ -299,6 +371,8 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
         raise ValueError(f"scales and zeros must be ({n}, {k // group_size}), got {tuple(scales.shape)} and "
                          f"{tuple(zeros.shape)}")
+    if config is None and dense_path(x):
+        return F.linear(x, w4_dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
     config = config or choose_config(x.shape[0], n, k, group_size, packed=packed_dequant(x, scales, zeros),
                                      x_bytes=x.element_size(), smem=smem_bytes(x.device))
     return call_op(_w4_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,

@@ -5,7 +5,7 @@ import torch
 
 import llmplug
 from llmplug.ops.fp8_linear import fp8_linear, fp8_linear_ref
-from llmplug.ops.w4_linear import w4_linear, w4_linear_ref
+from llmplug.ops.w4_linear import DENSE_MIN_TOKENS, w4_dequantize, w4_linear, w4_linear_ref
 from llmplug.ops.w8_linear import w8_linear, w8_linear_ref
 from llmplug.quant.formats import dequantize_int4, quantize_fp8, quantize_int4, quantize_int8, sqnr_db
 from tests.tiny_models import make_model, pad, prompts
@@ -14,7 +14,7 @@ from tests.tolerances import KERNEL_VS_REF_SQNR_DB, QUANT_SQNR_DB
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300, DENSE_MIN_TOKENS + 5])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 def test_kernels_at_8b_shapes(m, n, k):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -35,6 +35,18 @@ def test_kernels_at_8b_shapes(m, n, k):
         out = fp8_linear(x, *qf)
         assert sqnr_db(fp8_linear_ref(x, *qf), out) >= KERNEL_VS_REF_SQNR_DB
         assert sqnr_db(exact, out) >= QUANT_SQNR_DB["fp8"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_prefill_dequantises_for_cublas(dtype):
+    """From DENSE_MIN_TOKENS rows on: the Triton dequantisation equals the reference bit for bit, and the product is
+    cuBLAS's on that weight."""
+    q, s, z = quantize_int4(torch.randn(6168, 4096, device="cuda", dtype=dtype) * 0.02, 128)
+    s, z = s.to(dtype), z.to(dtype)
+    w = dequantize_int4(q, s, z, 128, dtype)
+    assert torch.equal(w4_dequantize(q, s, z, 128, dtype), w)
+    x = torch.randn(DENSE_MIN_TOKENS + 7, 4096, device="cuda", dtype=dtype)
+    assert torch.equal(w4_linear(x, q, s, z, 128), torch.nn.functional.linear(x, w))
 
 
 def _int4(n, k, dtype, group_size):

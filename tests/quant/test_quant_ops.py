@@ -6,7 +6,7 @@ import torch
 from llmplug.ops._qmm import choose_split_k
 from llmplug.ops.fp8_linear import fp8_linear, fp8_linear_ref, quantize_rows_fp8, quantize_rows_fp8_ref
 from llmplug.ops.w4_linear import choose_config as w4_choose_config
-from llmplug.ops.w4_linear import w4_linear, w4_linear_ref
+from llmplug.ops.w4_linear import w4_dequantize, w4_linear, w4_linear_ref
 from llmplug.ops.w8_linear import w8_linear, w8_linear_ref
 from llmplug.quant.formats import (
     dequantize_int4,
@@ -148,6 +148,16 @@ def test_w4_gemm_config_fits_shared_memory(group_size, x_bytes):
         if block_m > 1:
             stage = block_m * group_size * x_bytes + block_n * group_size // 2
             assert stage * stages <= smem - 32 * 1024, (m, group_size, x_bytes, block_m, stages)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k, group_size", [(37, 256, 128), (5, 64, 32), (3, 512, 256)])
+def test_w4_dequantize_matches_reference(n, k, group_size, dtype):
+    w = torch.randn(n, k) * 0.05
+    q, s, z = quantize_int4(w, group_size)
+    s, z = s.to(dtype), z.to(dtype)
+    got = w4_dequantize(q, s, z, group_size, dtype)
+    assert got.dtype == dtype and torch.equal(got, dequantize_int4(q, s, z, group_size, dtype))
 
 
 def test_bad_input():

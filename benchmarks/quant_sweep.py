@@ -23,7 +23,7 @@ from llmplug.ops.act_mul import act_and_mul  # noqa: E402
 from llmplug.ops.fp8_linear import fp8_linear, fp8_linear_ref  # noqa: E402
 from llmplug.ops.gemv import gemv  # noqa: E402
 from llmplug.ops.w4_linear import w4_dequantize, w4_linear, w4_linear_ref  # noqa: E402
-from llmplug.ops.w8_linear import w8_linear, w8_linear_ref  # noqa: E402
+from llmplug.ops.w8_linear import w8_dequantize, w8_linear, w8_linear_ref  # noqa: E402
 from llmplug.quant.formats import quantize_fp8, quantize_int4, quantize_int8, sqnr_db  # noqa: E402
 
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -123,6 +123,10 @@ def main() -> None:
                 t = graph_time(lambda w, x=x: F.linear(x, w4_dequantize(*w, 128, x.dtype)), quant["int4"])
                 row["int4_dense"] = {"us": t * 1e6, "gbs": (wbytes["int4"] + 2 * m * (k + n)) / t / 1e9,
                                      "tflops": flops / t / 1e12}
+            if m >= 64 and quant["int8"] is not None:
+                t = graph_time(lambda w, x=x: F.linear(x, w8_dequantize(*w, x.dtype)), quant["int8"])
+                row["int8_dense"] = {"us": t * 1e6, "gbs": (wbytes["int8"] + 2 * m * (k + n)) / t / 1e9,
+                                     "tflops": flops / t / 1e12}
             if m >= 16:
                 t = graph_time(lambda w, x=x: fp8_linear(x, *w), quant["fp8"])
                 q = sqnr_db(fp8_linear_ref(x, *quant["fp8"][0]).float(), fp8_linear(x, *quant["fp8"][0]).float())
@@ -131,7 +135,8 @@ def main() -> None:
             res["rows"].append(row)
             cells = " | ".join(f"{key} {row[key]['us']:7.1f}us {row[key]['gbs']:5.0f}GB/s {row[key]['tflops']:5.0f}TF"
                                + (f" {row[key]['cfg']}" if "cfg" in row[key] else "")
-                               for key in ("bf16_cublas", "bf16_gemv", "int8", "fp8_wo", "int4", "int4_dense", "fp8_mm")
+                               for key in ("bf16_cublas", "bf16_gemv", "int8", "int8_dense", "fp8_wo", "int4",
+                                           "int4_dense", "fp8_mm")
                                if row.get(key))
             print(f"{name:11s} m={m:5d} | {cells}", flush=True)
         del dense, quant

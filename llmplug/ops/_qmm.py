@@ -130,6 +130,18 @@ def smem_bytes(device: torch.device) -> int:
     return _SMEM[index]
 
 
+def dense_path(x: torch.Tensor, min_tokens: int) -> bool:
+    """Whether a quantized ``x @ W^T`` should run as dequantise-then-cuBLAS: CUDA, 16-bit activations, at least
+    ``min_tokens`` rows, and not inside CUDA-graph capture (the transient ``(N, K)`` weight would stay reserved in the
+    graph's memory pool).
+
+    Large token counts are compute-bound: the fused GEMMs reach about half of cuBLAS's rate there, while writing one
+    layer's dequantised weight costs about what reading it at 16 bits would (it is freed right after the matmul).
+    """
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.shape[0] >= min_tokens
+            and not torch.cuda.is_current_stream_capturing())
+
+
 def split_k_plan(split_k: int, tiles: int, k_steps: int, out: torch.Tensor) -> tuple[int, int, torch.Tensor]:
     """``(steps_per_split, splits, dest)`` for a GEMM of ``tiles`` output tiles over ``k_steps`` K steps.
 

@@ -12,7 +12,7 @@ half in the high nibbles). No dequantised copy of the model is kept:
   and the high halves pair with two contiguous slices of ``x``); with 16-bit activations on the GPU the
   dequantisation works on packed pairs in PTX (:func:`dequant_pairs`), about two values an instruction;
 * from ``DENSE_MIN_TOKENS`` rows on (compute-bound prefill) one layer's weight is dequantised into a transient
-  16-bit ``(N, K)`` buffer for cuBLAS (:func:`dense_path`), freed after the matmul.
+  16-bit ``(N, K)`` buffer for cuBLAS (:func:`~llmplug.ops._qmm.dense_path`), freed after the matmul.
 """
 
 from __future__ import annotations
@@ -22,7 +22,17 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ._qmm import field_f32, grouped_tile, smem_bytes, split_k_plan, split_k_reduce, store_rows, store_tile, u32_to_f32
+from ._qmm import (
+    dense_path,
+    field_f32,
+    grouped_tile,
+    smem_bytes,
+    split_k_plan,
+    split_k_reduce,
+    store_rows,
+    store_tile,
+    u32_to_f32,
+)
 from ._triton import (
     INTERPRET,
     call_op,
@@ -228,17 +238,6 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def dense_path(x: torch.Tensor) -> bool:
-    """Whether ``x @ W^T`` runs as dequantise-then-cuBLAS: CUDA, 16-bit activations, at least ``DENSE_MIN_TOKENS``
-    rows, not inside CUDA-graph capture (the transient ``(N, K)`` weight would stay reserved in the graph's pool).
-
-    Large token counts are compute-bound: the fused GEMM reaches about half of cuBLAS's rate there, while writing one
-    layer's dequantised weight costs about what reading it at 16 bits would (it is freed right after the matmul).
-    """
-    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.shape[0] >= DENSE_MIN_TOKENS
-            and not torch.cuda.is_current_stream_capturing())
-
-
 def packed_dequant(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
     """Whether the GEMM dequantises with packed 16-bit math: compiled (not interpreted) on CUDA, fp16 activations
     (``f16x2`` math, any recent GPU) or bf16 ones on sm_90+ (``sub``/``mul.bf16x2`` are Hopper instructions), with
@@ -374,7 +373,7 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
         raise ValueError(f"scales and zeros must be ({n}, {k // group_size}), got {tuple(scales.shape)} and "
                          f"{tuple(zeros.shape)}")
-    if config is None and dense_path(x):
+    if config is None and dense_path(x, DENSE_MIN_TOKENS):
         return F.linear(x, w4_dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
     config = config or choose_config(x.shape[0], n, k, group_size, packed=packed_dequant(x, scales, zeros),
                                      x_bytes=x.element_size(), smem=smem_bytes(x.device))

@@ -6,13 +6,16 @@ multiply raw 8-bit values and scale the finished sums.
 
 Two kernels: a GEMV for one token (decode at batch 1: a stream of weight reads, each program owning a few whole
 rows) and a tiled GEMM with tensor cores for everything else. :func:`choose_config` picks tiles per token count.
+From ``DENSE_MIN_TOKENS`` rows on (compute-bound prefill) one layer's weight is dequantised into a transient 16-bit
+``(N, K)`` buffer for cuBLAS instead (:func:`~llmplug.ops._qmm.dense_path`), freed after the matmul.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from ._qmm import field_f32, grouped_tile, split_k_plan, split_k_reduce, store_rows, store_tile, w8_to_f32
+from ._qmm import dense_path, field_f32, grouped_tile, split_k_plan, split_k_reduce, store_rows, store_tile, w8_to_f32
 from ._triton import (
     INTERPRET,
     call_op,
@@ -20,6 +23,7 @@ from ._triton import (
     maybe_wrap,
     next_pow2,
     pdl_options,
+    round_rne,
     tl,
     triton,
     use_triton,
@@ -122,6 +126,28 @@ if triton is not None:
         store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, b_ptr, HAS_BIAS, SPLIT_K, INTERPRETED)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _w8_dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, stride_qn, stride_on, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (rows < N)[:, None] & (cols < K)[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        w = w8_to_f32(tl.load(q_ptr + r64 * stride_qn + cols[None, :], mask=mask, other=0.0))
+        s = tl.load(s_ptr + rows, mask=rows < N, other=0.0)
+        wait_inputs(PDL)
+        w = w * s[:, None]
+        if INTERPRETED:
+            w = round_rne(w, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + r64 * stride_on + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# NOTE: placeholder until benchmarks/quant_sweep.py measures the crossover (fused GEMM vs dequantise + cuBLAS)
+DENSE_MIN_TOKENS = 512
+
+
 def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV kernel,
     ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
@@ -178,6 +204,28 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     return out if split == 1 else split_k_reduce(dest, bias, out)
 
 
+@llmplug_op("w8_dequantize")
+def _w8_dequantize_op(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if not use_triton(qweight):
+        return (qweight.float() * scales[:, None]).to(dtype)
+    n, k = qweight.shape
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    maybe_wrap(_w8_dequant_kernel)[(triton.cdiv(n, 16), triton.cdiv(k, 256))](
+        qweight, scales, out, n, k, qweight.stride(0), out.stride(0), BLOCK_N=16, BLOCK_K=256, INTERPRETED=INTERPRET,
+        num_warps=4, **pdl_options(qweight))
+    return out
+
+
+@_w8_dequantize_op.register_fake
+def _(qweight, scales, dtype):
+    return qweight.new_empty(qweight.shape, dtype=dtype)
+
+
+def w8_dequantize(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``W (N, K) = qweight * scales[:, None]`` in ``dtype``, rounded once from fp32."""
+    return call_op(_w8_dequantize_op, qweight, scales, dtype)
+
+
 @_w8_linear_op.register_fake
 def _(x, qweight, scales, bias, block_m, block_n, block_k, num_warps, num_stages, split_k):
     return x.new_empty((x.shape[0], qweight.shape[0]))
@@ -204,5 +252,7 @@ def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
         raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
     if scales.shape != (n,):
         raise ValueError(f"scales must be ({n},), got {tuple(scales.shape)}")
+    if config is None and dense_path(x, DENSE_MIN_TOKENS):
+        return F.linear(x, w8_dequantize(qweight, scales, x.dtype), bias)
     config = config or choose_config(x.shape[0], n, k)
     return call_op(_w8_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias, *config)

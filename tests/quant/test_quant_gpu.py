@@ -6,7 +6,8 @@ import torch
 import llmplug
 from llmplug.ops.fp8_linear import fp8_linear, fp8_linear_ref
 from llmplug.ops.w4_linear import DENSE_MIN_TOKENS, w4_dequantize, w4_linear, w4_linear_ref
-from llmplug.ops.w8_linear import w8_linear, w8_linear_ref
+from llmplug.ops.w8_linear import DENSE_MIN_TOKENS as W8_DENSE_MIN_TOKENS
+from llmplug.ops.w8_linear import w8_dequantize, w8_linear, w8_linear_ref
 from llmplug.quant.formats import dequantize_int4, quantize_fp8, quantize_int4, quantize_int8, sqnr_db
 from tests.tiny_models import make_model, pad, prompts
 from tests.tolerances import KERNEL_VS_REF_SQNR_DB, QUANT_SQNR_DB
@@ -14,7 +15,7 @@ from tests.tolerances import KERNEL_VS_REF_SQNR_DB, QUANT_SQNR_DB
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 64, 300, DENSE_MIN_TOKENS + 5])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300, DENSE_MIN_TOKENS + 5, W8_DENSE_MIN_TOKENS + 3])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 def test_kernels_at_8b_shapes(m, n, k):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -47,6 +48,16 @@ def test_int4_prefill_dequantises_for_cublas(dtype):
     assert torch.equal(w4_dequantize(q, s, z, 128, dtype), w)
     x = torch.randn(DENSE_MIN_TOKENS + 7, 4096, device="cuda", dtype=dtype)
     assert torch.equal(w4_linear(x, q, s, z, 128), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_w8_prefill_dequantises_for_cublas(method):
+    q, s = (quantize_int8 if method == "int8" else quantize_fp8)(
+        torch.randn(6168, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
+    w = (q.float() * s[:, None]).to(torch.bfloat16)
+    assert torch.equal(w8_dequantize(q, s, torch.bfloat16), w)
+    x = torch.randn(W8_DENSE_MIN_TOKENS + 7, 4096, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(w8_linear(x, q, s), torch.nn.functional.linear(x, w))
 
 
 def _int4(n, k, dtype, group_size):

@@ -7,7 +7,7 @@ from llmplug.ops._qmm import choose_split_k
 from llmplug.ops.fp8_linear import fp8_linear, fp8_linear_ref, quantize_rows_fp8, quantize_rows_fp8_ref
 from llmplug.ops.w4_linear import choose_config as w4_choose_config
 from llmplug.ops.w4_linear import w4_dequantize, w4_linear, w4_linear_ref
-from llmplug.ops.w8_linear import w8_linear, w8_linear_ref
+from llmplug.ops.w8_linear import w8_dequantize, w8_linear, w8_linear_ref
 from llmplug.quant.formats import (
     dequantize_int4,
     dequantize_rowwise,
@@ -158,6 +158,14 @@ def test_w4_dequantize_matches_reference(n, k, group_size, dtype):
     s, z = s.to(dtype), z.to(dtype)
     got = w4_dequantize(q, s, z, group_size, dtype)
     assert got.dtype == dtype and torch.equal(got, dequantize_int4(q, s, z, group_size, dtype))
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8_dequantize_matches_reference(method, dtype):
+    w = torch.randn(21, 300) * 0.05
+    q, s = quantize_int8(w) if method == "int8" else quantize_fp8(w)
+    assert torch.equal(w8_dequantize(q, s, dtype), (q.float() * s[:, None]).to(dtype))
 
 
 def test_bad_input():

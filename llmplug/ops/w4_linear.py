@@ -356,8 +356,8 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         scales, zeros: ``(N, K // group_size)`` contiguous (zeros hold integers in ``[0, 15]``).
         group_size: one of 32, 64, 128, 256.
         bias: optional ``(N,)``.
-        config: ``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K)``; default
-            :func:`choose_config`.
+        config: ``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K)`` for the fused kernels;
+            default: dequantise + cuBLAS from ``DENSE_MIN_TOKENS`` rows on the GPU, else :func:`choose_config`.
 
     Returns:
         ``(M, N)`` in ``x.dtype``.

@@ -242,7 +242,8 @@ def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
         qweight: ``(N, K)`` int8 or float8_e4m3fn, contiguous.
         scales: ``(N,)`` float32.
         bias: optional ``(N,)``.
-        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; default :func:`choose_config`.
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)`` for the fused kernels; default:
+            dequantise + cuBLAS from ``DENSE_MIN_TOKENS`` rows on the GPU, else :func:`choose_config`.
 
     Returns:
         ``(M, N)`` in ``x.dtype``.

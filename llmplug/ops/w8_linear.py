@@ -66,35 +66,66 @@ if triton is not None:
         store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
 
     SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: flips each byte's sign bit, q -> q + 128
+    BYTE_MAGIC = 0x47000000  # float32 bits of 2^15: a byte u placed at bits 8-15 reads 32768 + u
 
     @triton.jit
-    def _w8_gemv_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, KW, stride_xm, stride_qn, stride_om,
+    def byte_f32(u, magic, B: tl.constexpr, ASM: tl.constexpr, PRECISE: tl.constexpr):
+        """Byte ``B`` of each int32 word plus an offset, exactly, as float32: ``32768 + u`` (``magic`` holds
+        ``BYTE_MAGIC``), or ``256 + u`` when ``PRECISE`` (fp32 activations: the smaller offset cancels less).
+
+        On the GPU one ``prmt`` builds the word ``[0x47, 0, u, 0]`` (no shift, no mask); the interpreter computes
+        the same bits with a shift and a mask. ``PRECISE`` takes a shift and a mask (:func:`field_f32`)."""
+        if PRECISE:
+            return field_f32(u, 8 * B, 8, 8)
+        if ASM:  # prmt selector: result bytes (low first) = magic's byte 0, u's byte B, magic's bytes 0 and 3
+            return tl.inline_asm_elementwise(asm=f"prmt.b32 $0, $1, $2, 0x74{B}4;", constraints="=r,r,r",
+                                             args=[u, magic], dtype=tl.float32, is_pure=True, pack=1)
+        if B == 0:
+            u = u << 8
+        elif B > 1:
+            u = u >> (8 * B - 8)
+        return ((u & 0xFF00) | magic).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _w8_gemv_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, KW, stride_xm, stride_qn, stride_om, magic,
                               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                              INTERPRETED: tl.constexpr, PDL: tl.constexpr):
-        wait_inputs(PDL)
+                              EVEN: tl.constexpr, ASM: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         # int8 weights read as int32 words (KW = K // 4; byte b of word t is element 4t + b). XOR-ing 0x80 into each
-        # byte gives q + 128 in [0, 255], which field_f32(.., 8, 8) turns into 384 + q:
-        # y = (sum((384 + q) * x) - 384 * sum(x)) * scale, with no per-byte extraction, sign flip or conversion.
+        # byte gives u = q + 128 in [0, 255]; byte_f32 turns each into offset + u with one instruction, and each
+        # word's four products chain onto -(offset + 128) * (its four x summed): y = sum(q * x) * scale, about 3.5
+        # instructions a weight byte (7 with a shift and a mask per byte). EVEN: N and KW divide by the tile.
         m = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         t = tl.arange(0, BLOCK_W)
         q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qn + t[None, :]
         x_ptrs = x_ptr + m * stride_xm + 4 * t
+        magic = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.int32) + magic  # a register, so prmt takes its selector inline
+        PRECISE: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+        offset = -384.0 if PRECISE else -32896.0
         acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-        x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        wait_inputs(PDL)
         for k in range(0, KW, BLOCK_W):
-            k_mask = (k + t) < KW
-            u = tl.load(q_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0) ^ SIGN_BITS
-            x0 = tl.load(x_ptrs + 4 * k, mask=k_mask, other=0.0).to(tl.float32)
-            x1 = tl.load(x_ptrs + 4 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
-            x2 = tl.load(x_ptrs + 4 * k + 2, mask=k_mask, other=0.0).to(tl.float32)
-            x3 = tl.load(x_ptrs + 4 * k + 3, mask=k_mask, other=0.0).to(tl.float32)
-            acc += field_f32(u, 0, 8, 8) * x0[None, :] + field_f32(u, 8, 8, 8) * x1[None, :]
-            acc += field_f32(u, 16, 8, 8) * x2[None, :] + field_f32(u, 24, 8, 8) * x3[None, :]
-            x_sum += (x0 + x1) + (x2 + x3)
-        # the offset comes off lane by lane, before the lanes' sums add up (less cancellation than after)
-        y = tl.sum(acc - 384.0 * x_sum[None, :], axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
+            if EVEN:
+                u = tl.load(q_ptrs + k) ^ SIGN_BITS
+                x0 = tl.load(x_ptrs + 4 * k).to(tl.float32)
+                x1 = tl.load(x_ptrs + 4 * k + 1).to(tl.float32)
+                x2 = tl.load(x_ptrs + 4 * k + 2).to(tl.float32)
+                x3 = tl.load(x_ptrs + 4 * k + 3).to(tl.float32)
+            else:
+                k_mask = (k + t) < KW
+                u = tl.load(q_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0) ^ SIGN_BITS
+                x0 = tl.load(x_ptrs + 4 * k, mask=k_mask, other=0.0).to(tl.float32)
+                x1 = tl.load(x_ptrs + 4 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
+                x2 = tl.load(x_ptrs + 4 * k + 2, mask=k_mask, other=0.0).to(tl.float32)
+                x3 = tl.load(x_ptrs + 4 * k + 3, mask=k_mask, other=0.0).to(tl.float32)
+            # the offset comes off word by word, before the products add up across words (little cancellation)
+            part = (((x0 + x1) + (x2 + x3)) * offset)[None, :]
+            part = tl.fma(byte_f32(u, magic, 0, ASM, PRECISE), x0[None, :], part)
+            part = tl.fma(byte_f32(u, magic, 1, ASM, PRECISE), x1[None, :], part)
+            part = tl.fma(byte_f32(u, magic, 2, ASM, PRECISE), x2[None, :], part)
+            acc += tl.fma(byte_f32(u, magic, 3, ASM, PRECISE), x3[None, :], part)
+        y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
         store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
 
     @triton.jit
@@ -155,14 +186,18 @@ def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]
     ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
 
     NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
-    bf16 in brackets; history in BENCHMARKS.md). One token, 8 rows x 512 bytes on wider-than-deep shapes, 4 x 1024
-    otherwise: int8 word GEMV 12.5 / 9.5 / 44.4 / 25.6, fp8 byte GEMV 11.4 / 9.8 / 42.8 / 27.8 [20.4 / 15.6 / 81.3
-    / 51.1]. 4-16 tokens (16, 32, 256, 4, 4, split-K by heuristic): 16.3 / 12.4 / 53.3 / 31.0. 64 tokens (64, 128,
-    128, 4, 3): about cuBLAS bf16 (23.1 / 18.0 / 82.3 / 46.4 [20.6 / 14.8 / 86.9 / 46.3]). From 256 tokens on,
-    these GEMMs reach 240-500 TFLOP/s against cuBLAS bf16's 550-800: prefill is slower than bf16.
+    bf16 in brackets; history in BENCHMARKS.md). One token, int8 word GEMV with one prmt a byte: 8 rows x 512 bytes
+    (4 stages) for qkv, 16 x 512 for gate_up (4x wider than deep), 4 x 1024 for o / down: 11.7 / 8.5 / 42.0 / 23.1
+    (shift-and-mask decoding before: 12.5 / 9.5 / 44.4 / 25.6; the loads, not the instructions, bound it), fp8 byte
+    GEMV 11.4 / 9.8 / 42.8 / 27.8 [20.4 / 15.6 / 81.3 / 51.1]. 4-16 tokens (16, 32, 256, 4, 4, split-K by
+    heuristic): 16.3 / 12.4 / 53.3 / 31.0. 64 tokens (64, 128, 128, 4, 3): about cuBLAS bf16 (23.1 / 18.0 / 82.3 /
+    46.4 [20.6 / 14.8 / 86.9 / 46.3]). From 256 tokens on, these GEMMs reach 240-500 TFLOP/s against cuBLAS bf16's
+    550-800: prefill is slower than bf16.
     """
     if m == 1:
-        return (1, 8, 512, 4, 3, 1) if n > k else (1, 4, 1024, 4, 3, 1)
+        if n >= 4 * k:
+            return (1, 16, 512, 4, 3, 1)
+        return (1, 8, 512, 4, 4, 1) if n > k else (1, 4, 1024, 4, 3, 1)
     if m <= 16:
         return (16, 32, 256, 4, 4, 0)
     if m <= 64:
@@ -183,10 +218,11 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     b = bias if bias is not None else scales
     if block_m == 1 and qweight.dtype == torch.int8 and k % 4 == 0:
         words = qweight.view(torch.int32)
+        block_w = min(block_k // 4, next_pow2(k // 4))
         maybe_wrap(_w8_gemv_words_kernel)[(m, triton.cdiv(n, block_n))](
-            x, words, scales, b, out, n, k // 4, x.stride(0), words.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_W=min(block_k // 4, next_pow2(k // 4)),
-            INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
+            x, words, scales, b, out, n, k // 4, x.stride(0), words.stride(0), out.stride(0), BYTE_MAGIC,
+            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_W=block_w, EVEN=n % block_n + k // 4 % block_w == 0,
+            ASM=not INTERPRET, INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
         return out
     if block_m == 1:
         maybe_wrap(_w8_gemv_kernel)[(m, triton.cdiv(n, block_n))](

@@ -181,19 +181,23 @@ if triton is not None:
 DENSE_MIN_TOKENS = 512
 
 
-def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV kernel,
-    ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
+def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV kernel
+    (int8: the word GEMV; ``fp8``: the byte GEMV, whose tiles were tuned apart), ``SPLIT_K == 0`` lets
+    :func:`~llmplug.ops._qmm.choose_split_k` decide.
 
     NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
     bf16 in brackets; history in BENCHMARKS.md). One token, int8 word GEMV with one prmt a byte: 8 rows x 512 bytes
     (4 stages) for qkv, 16 x 512 for gate_up (4x wider than deep), 4 x 1024 for o / down: 11.7 / 8.5 / 42.0 / 23.1
-    (shift-and-mask decoding before: 12.5 / 9.5 / 44.4 / 25.6; the loads, not the instructions, bound it), fp8 byte
-    GEMV 11.4 / 9.8 / 42.8 / 27.8 [20.4 / 15.6 / 81.3 / 51.1]. 4-16 tokens (16, 32, 256, 4, 4, split-K by
+    (shift-and-mask decoding before: 12.5 / 9.5 / 44.4 / 25.6; the loads, not the instructions, bound it); fp8 byte
+    GEMV, 8 x 512 wider than deep, else 4 x 1024: 11.4 / 9.8 / 42.8 / 27.8 [20.4 / 15.6 / 81.3 / 51.1] (end to end
+    the int8 tiles cost fp8 1.5%). 4-16 tokens (16, 32, 256, 4, 4, split-K by
     heuristic): 16.3 / 12.4 / 53.3 / 31.0. 64 tokens (64, 128, 128, 4, 3): about cuBLAS bf16 (23.1 / 18.0 / 82.3 /
     46.4 [20.6 / 14.8 / 86.9 / 46.3]). From 256 tokens on, these GEMMs reach 240-500 TFLOP/s against cuBLAS bf16's
     550-800: prefill is slower than bf16.
     """
+    if m == 1 and fp8:
+        return (1, 8, 512, 4, 3, 1) if n > k else (1, 4, 1024, 4, 3, 1)
     if m == 1:
         if n >= 4 * k:
             return (1, 16, 512, 4, 3, 1)
@@ -293,5 +297,5 @@ def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
         raise ValueError(f"scales must be ({n},), got {tuple(scales.shape)}")
     if config is None and dense_path(x, DENSE_MIN_TOKENS):
         return F.linear(x, w8_dequantize(qweight, scales, x.dtype), bias)
-    config = config or choose_config(x.shape[0], n, k)
+    config = config or choose_config(x.shape[0], n, k, fp8=qweight.dtype == torch.float8_e4m3fn)
     return call_op(_w8_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias, *config)

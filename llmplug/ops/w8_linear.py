@@ -190,11 +190,11 @@ def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, 
     bf16 in brackets; history in BENCHMARKS.md). One token, int8 word GEMV with one prmt a byte: 8 rows x 512 bytes
     (4 stages) for qkv, 16 x 512 for gate_up (4x wider than deep), 4 x 1024 for o / down: 11.7 / 8.5 / 42.0 / 23.1
     (shift-and-mask decoding before: 12.5 / 9.5 / 44.4 / 25.6; the loads, not the instructions, bound it); fp8 byte
-    GEMV, 8 x 512 wider than deep, else 4 x 1024: 11.4 / 9.8 / 42.8 / 27.8 [20.4 / 15.6 / 81.3 / 51.1] (end to end
-    the int8 tiles cost fp8 1.5%). 4-16 tokens (16, 32, 256, 4, 4, split-K by
-    heuristic): 16.3 / 12.4 / 53.3 / 31.0. 64 tokens (64, 128, 128, 4, 3): about cuBLAS bf16 (23.1 / 18.0 / 82.3 /
-    46.4 [20.6 / 14.8 / 86.9 / 46.3]). From 256 tokens on, these GEMMs reach 240-500 TFLOP/s against cuBLAS bf16's
-    550-800: prefill is slower than bf16.
+    GEMV, 8 x 512 wider than deep, else 4 x 1024: 11.4 / 9.8 / 42.8 / 27.8 [20.4 / 15.6 / 81.3 / 51.1] (with the
+    int8 tiles fp8 batch 1 measured 258.7 tok/s against 262.7 with these, in separate runs: kept). 4-16 tokens (16,
+    32, 256, 4, 4, split-K by heuristic): 16.3 / 12.4 / 53.3 / 31.0. 64 tokens (64, 128, 128, 4, 3): about cuBLAS
+    bf16 (23.1 / 18.0 / 82.3 / 46.4 [20.6 / 14.8 / 86.9 / 46.3]). From 256 tokens on, these GEMMs reach 240-500
+    TFLOP/s against cuBLAS bf16's 550-800: prefill is slower than bf16.
     """
     if m == 1 and fp8:
         return (1, 8, 512, 4, 3, 1) if n > k else (1, 4, 1024, 4, 3, 1)

@@ -92,8 +92,8 @@ if triton is not None:
                               EVEN: tl.constexpr, ASM: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         # int8 weights read as int32 words (KW = K // 4; byte b of word t is element 4t + b). XOR-ing 0x80 into each
         # byte gives u = q + 128 in [0, 255]; byte_f32 turns each into offset + u with one instruction, and each
-        # word's four products chain onto -(offset + 128) * (its four x summed): y = sum(q * x) * scale, about 3.5
-        # instructions a weight byte (7 with a shift and a mask per byte). EVEN: N and KW divide by the tile.
+        # word's four products chain onto -(offset + 128) * (its four x summed): y = sum(q * x) * scale, about 4 SASS
+        # instructions a weight byte (7 with a shift and a mask a byte). EVEN: N and KW divide by the tile.
         m = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N

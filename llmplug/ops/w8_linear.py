@@ -93,7 +93,8 @@ if triton is not None:
         # int8 weights read as int32 words (KW = K // 4; byte b of word t is element 4t + b). XOR-ing 0x80 into each
         # byte gives u = q + 128 in [0, 255]; byte_f32 turns each into offset + u with one instruction, and each
         # word's four products chain onto -(offset + 128) * (its four x summed): y = sum(q * x) * scale, about 4 SASS
-        # instructions a weight byte (7 with a shift and a mask a byte). EVEN: N and KW divide by the tile.
+        # instructions a weight byte against 7 with a shift and a mask a byte (sm_90 build; the GEMV stays bound by
+        # loads in flight, see BENCHMARKS.md). EVEN: N and KW divide by the tile.
         m = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N

@@ -20,7 +20,7 @@ from llmplug.engine.runner import decode_metadata  # noqa: E402
 
 
 @torch.inference_mode()
-def main(name: str, batch: int = 1, quantize: str | None = None) -> None:
+def main(name: str, batch: int = 1, quantize: str | None = None, profile_host: bool = False) -> None:
     model = build(name, torch.bfloat16, "cuda")
     llmplug.optimize(model, quantize=quantize)
     ids = torch.randint(3, 1000, (batch, 128), device="cuda")
@@ -31,7 +31,13 @@ def main(name: str, batch: int = 1, quantize: str | None = None) -> None:
     model.generate(input_ids=ids, max_new_tokens=256, do_sample=False)
     torch.cuda.synchronize()
     step = (time.perf_counter() - t0) / 256
-    graph, buf = runner._graphs[("decode", runner.graph_bucket(batch))]
+    t0 = time.perf_counter()
+    for _ in range(10):
+        model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
+    torch.cuda.synchronize()
+    first = (time.perf_counter() - t0) / 10
+    bucket = runner.graph_bucket(batch)  # plain greedy generate replays the greedy graph (decode + token choice)
+    graph, buf = runner._graphs.get(("greedy", bucket)) or runner._graphs[("decode", bucket)]
     buf["positions"][:batch] = 200
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(5):
@@ -45,6 +51,17 @@ def main(name: str, batch: int = 1, quantize: str | None = None) -> None:
     wb = weight_bytes(model)
     print(f"{name} {quantize or 'bf16'} b{batch}: generate step {step * 1e3:.3f} ms, "
           f"graph replay {replay * 1e3:.3f} ms, weights {wb / 1e9:.2f} GB -> {wb / replay / 1e12:.2f} TB/s in replay")
+    glue = (256 * step - first - 255 * replay) / 255
+    print(f"generate with one new token (set-up + prefill) {first * 1e3:.2f} ms; per decode step outside the graph "
+          f"{glue * 1e6:.0f} us")
+    if profile_host:
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as host:
+            model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
+            torch.cuda.synchronize()
+        pstats.Stats(host).sort_stats("cumulative").print_stats(30)
     pos = torch.full((batch,), 200, device="cuda")
     bt = buf["block_tables"][:batch]
     meta = decode_metadata(pos, bt, runner.block_size)
@@ -67,5 +84,6 @@ if __name__ == "__main__":
     ap.add_argument("shape")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--quantize", choices=("int8", "int4", "fp8"))
+    ap.add_argument("--profile-host", action="store_true", help="cProfile one generate call of one new token")
     args = ap.parse_args()
-    main(args.shape, args.batch, args.quantize)
+    main(args.shape, args.batch, args.quantize, args.profile_host)

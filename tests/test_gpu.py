@@ -101,6 +101,39 @@ def test_eos_and_max_length_on_the_deferred_stop_path():
         assert torch.equal(model.generate(**kw, max_new_tokens=n), want), n
 
 
+def test_greedy_graph_over_several_rings_and_pages():
+    """The on-device greedy loop (one graph replay a step) across rings of steps and KV pages: rows finish at
+    different steps, the loop stops after the last one (learned a ring late), limits that are not ring multiples."""
+    model = make_model("llama").cuda()
+    ids, mask = (t.cuda() for t in pad(prompts(3)))
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=70, do_sample=False)[:, ids.shape[1]:]
+    eos = [int(free[0, 44]), int(free[1, 20]), int(free[2, 5])]
+    runs = [dict(max_new_tokens=n, eos_token_id=e) for n in (17, 33, 70) for e in (eos, None)]
+    expected = [model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kw) for kw in runs]
+    llmplug.optimize(model, graph_batch_sizes=(1, 4))
+    for kw, want in zip(runs, expected):
+        assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kw), want), kw
+    assert ("greedy", 4) in model._llmplug_runner._graphs
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 128256), (5, 32000), (64, 151936)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_step_cuda(rows, vocab, dtype):
+    from llmplug.ops.greedy_step import greedy_step, greedy_step_ref
+
+    logits = torch.randn(rows, vocab, device="cuda").to(dtype)
+    logits[:, [vocab // 3, vocab - 1]] = logits.max() + 1  # a tie across partial blocks: the first index wins
+    state = [torch.rand(rows, device="cuda") < 0.8, torch.tensor([5, vocab // 3, -1, -1], device="cuda"),
+             torch.tensor([0], device="cuda"), torch.zeros(rows, 16, dtype=torch.long, device="cuda"),
+             torch.zeros(rows, dtype=torch.long, device="cuda"), torch.arange(rows, device="cuda") - 1,
+             torch.tensor([21, 4], device="cuda")]
+    want = [t.clone() for t in state]
+    greedy_step_ref(logits, *want)
+    greedy_step(logits, *state)
+    for got, exp in zip(state, want):
+        assert torch.equal(got, exp)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_engine_greedy_fp32_matches_stock_per_request(family, mode):

@@ -11,11 +11,11 @@ import functools
 import warnings
 
 import torch
-from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
+from transformers import EosTokenCriteria, GenerationMixin, MaxLengthCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.generation import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .runner import ModelRunner
+from .runner import MAX_EOS, ModelRunner
 from .sequences import SequenceBatch
 
 _SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -67,6 +67,21 @@ def _fallback_reason(model, config, kwargs: dict) -> str | None:
     return None
 
 
+def _graph_stopping(stopping_criteria, max_length: int) -> tuple[torch.Tensor, int] | None:
+    """``(eos ids, length limit)`` when the criteria are only HF's max-length and end-of-sequence ones (which the
+    greedy graph evaluates on the device), else None."""
+    eos, limit = [], max_length
+    for c in stopping_criteria:
+        if isinstance(c, MaxLengthCriteria):
+            limit = min(limit, c.max_length)
+        elif isinstance(c, EosTokenCriteria):
+            eos.append(c.eos_token_id.reshape(-1))
+        else:
+            return None
+    ids = torch.cat(eos) if eos else torch.empty(0, dtype=torch.long)
+    return (ids, limit) if ids.numel() <= MAX_EOS else None
+
+
 def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
     """HF ``generate`` with llmplug's decoding loop; same signature and return types."""
     if kwargs.get("cache_implementation") == "paged":  # stock generate hands it to model.generate_batch: llmplug's
@@ -111,6 +126,8 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
     deferred = input_ids.device.type == "cuda" and streamer is None
     done_host = torch.zeros((), dtype=torch.bool, pin_memory=True) if deferred else None
     done_event = None
+    # plain greedy decoding whose only stops are max length and eos ids: every later step is one graph replay
+    on_device = _graph_stopping(stopping_criteria, generation_config.max_length) if plain_greedy and deferred else None
     try:
         logits = seqs.prefill()
         while True:
@@ -149,6 +166,16 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
                 done_host.copy_(~unfinished.any(), non_blocking=True)
                 done_event = torch.cuda.Event()
                 done_event.record()
+            if on_device is not None:
+                eos, limit = on_device
+                on_device = None
+                if not unfinished.any():
+                    break
+                new = seqs.decode_greedy(next_tokens, unfinished, eos, int(pad) if pad is not None else 0,
+                                         limit - input_ids.shape[1])
+                if new is not None:
+                    input_ids = torch.cat([input_ids, new], dim=-1)
+                    break
             logits = seqs.decode(next_tokens)
     finally:
         seqs.release()

@@ -14,6 +14,7 @@ import torch
 from ..config import OptimizeConfig
 from ..kv.cache import PagedKVCache, kv_storage_dtype
 from ..ops._triton import programmatic_launch
+from ..ops.greedy_step import greedy_step
 from .attention import ATTENTION_NAME
 from .metadata import AttentionMetadata
 
@@ -21,6 +22,8 @@ from .metadata import AttentionMetadata
 ForwardFn = Callable[["ModelRunner", torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 _MAX_BLOCKS = 1 << 18
+MAX_EOS = 8  # end-of-sequence ids a greedy graph checks on the device
+GREEDY_RING = 16  # greedy graph steps between two reads of their tokens by the host
 
 
 def hf_forward(runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -191,6 +194,40 @@ class ModelRunner:
             buf["positions"][batch:].fill_(-1)
         graph.replay()
         return buf["logits"][:batch]
+
+    @torch.inference_mode()
+    def greedy_graph(self, batch: int) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]] | None:
+        """The greedy decode graph of ``batch``'s bucket, or None where decode steps run eagerly.
+
+        One replay is a decode step plus :func:`~llmplug.ops.greedy_step.greedy_step` on its buffers: the token it
+        picks becomes the next replay's input and positions advance on the device, so consecutive replays need no
+        host work but the pages a row grows into (``block_tables``). Buffers: ``input_ids, positions (bucket,)``,
+        ``block_tables``, ``unfinished (bucket,) bool``, ``eos (MAX_EOS,)`` padded with -1, ``pad (1,)``,
+        ``ring (bucket, GREEDY_RING)`` (step ``s`` writes column ``s % GREEDY_RING``), ``counters (2,)``.
+        """
+        bucket = self.graph_bucket(batch)
+        if bucket is None:
+            return None
+        return self._graphs.get(("greedy", bucket)) or self._capture_greedy(bucket)
+
+    def _capture_greedy(self, bucket: int):
+        dev = self.device
+        buf = self._buffers(bucket, bucket)
+        buf.update(unfinished=torch.zeros(bucket, dtype=torch.bool, device=dev),
+                   eos=torch.full((MAX_EOS,), -1, dtype=torch.long, device=dev),
+                   pad=torch.zeros(1, dtype=torch.long, device=dev),
+                   ring=torch.zeros(bucket, GREEDY_RING, dtype=torch.long, device=dev),
+                   counters=torch.zeros(2, dtype=torch.long, device=dev))
+
+        def step():
+            meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
+            logits = self.forward(buf["input_ids"], buf["positions"].clamp(min=0), meta, None)
+            with programmatic_launch():
+                greedy_step(logits, buf["unfinished"], buf["eos"], buf["pad"], buf["ring"], buf["input_ids"],
+                            buf["positions"], buf["counters"])
+            return logits
+
+        return self._capture(("greedy", bucket), buf, step)
 
     def _buffers(self, rows: int, tokens: int) -> dict[str, torch.Tensor]:
         dev = self.device

@@ -44,8 +44,9 @@ class SequenceBatch:
         self.block_table_dev = self.block_table.to(self.device)
 
     # ---- pages ---------------------------------------------------------------------------------------------
-    def _grow(self, rows, num_tokens) -> None:
+    def _grow(self, rows, num_tokens) -> bool:
         """Give row ``rows[i]`` room for ``num_tokens[i]`` tokens; all new page ids reach the device in one copy.
+        Returns whether any row got a page.
 
         The copy's source is a fresh pinned snapshot of the table, so it is truly asynchronous and a later host-side
         edit can never race it.
@@ -60,6 +61,7 @@ class SequenceBatch:
         if grown:
             src = self.block_table.pin_memory() if self.device.type == "cuda" else self.block_table.clone()
             self.block_table_dev.copy_(src, non_blocking=True)
+        return grown
 
     def _slot(self, row: int, pos: int) -> int:
         return self.blocks[row].blocks[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -125,3 +127,59 @@ class SequenceBatch:
         out = self.runner.decode(tokens, self.positions, self.block_table_dev)
         self.positions += 1
         return out
+
+    def decode_greedy(self, tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tensor, pad: int,
+                      steps: int) -> torch.Tensor | None:
+        """Up to ``steps`` greedy decode steps, each one replay of the runner's greedy graph (the token is picked and
+        fed back on the device); the host only adds pages and, every ``GREEDY_RING`` steps, collects the tokens.
+
+        Args:
+            tokens: ``(B,)`` the tokens chosen last (this call's first inputs).
+            unfinished: ``(B,)`` bool, rows that have not produced an end-of-sequence id.
+            eos: ``(E,)`` end-of-sequence ids, ``E <= MAX_EOS``.
+            pad: the token finished rows emit.
+            steps: most steps to run (the max-length limit).
+
+        Returns:
+            ``(B, n)`` the new tokens, ``n <= steps``: the loop ends after the step in which the last row finishes, as
+            HF's does; it learns that one ring of steps late and drops the extra tokens. None when no graph covers
+            this batch (the caller steps eagerly).
+        """
+        from .runner import GREEDY_RING
+
+        rows = len(self.prompts)
+        graph_buf = self.runner.greedy_graph(rows)
+        if graph_buf is None:
+            return None
+        graph, buf = graph_buf
+        width = self.block_table_dev.shape[1]
+        buf["input_ids"][:rows].copy_(tokens)
+        buf["positions"].fill_(-1)
+        buf["positions"][:rows].copy_(self.positions)
+        buf["unfinished"].zero_()
+        buf["unfinished"][:rows].copy_(unfinished)
+        buf["eos"].fill_(-1)
+        buf["eos"][:eos.numel()].copy_(eos)
+        buf["pad"].fill_(pad)
+        buf["counters"].zero_()
+        buf["block_tables"][:rows, :width].copy_(self.block_table_dev)
+        chunks, done_host, done_event, ran = [], None, None, 0
+        while ran < steps:
+            n = min(GREEDY_RING, steps - ran)
+            for _ in range(n):
+                self.lengths = [length + 1 for length in self.lengths]
+                if self._grow(range(rows), self.lengths):
+                    buf["block_tables"][:rows, :width].copy_(self.block_table_dev)
+                graph.replay()
+            ran += n
+            chunks.append(buf["ring"][:rows, :n].clone())
+            if done_event is not None:  # wait for the ring before last, so the GPU always has a ring queued
+                done_event.synchronize()
+                if done_host.item():
+                    break
+            done_host = torch.zeros((), dtype=torch.bool, pin_memory=True)
+            done_host.copy_(~buf["unfinished"][:rows].any(), non_blocking=True)
+            done_event = torch.cuda.Event()
+            done_event.record()
+        self.positions += ran
+        return torch.cat(chunks, dim=1)[:, :int(buf["counters"][1])]

@@ -8,7 +8,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, pdl_options, tl, triton, use_triton, wait_inputs
+from ._triton import (
+    call_op,
+    llmplug_op,
+    maybe_wrap,
+    next_pow2,
+    pdl_options,
+    round_rne,
+    tl,
+    triton,
+    use_triton,
+    wait_inputs,
+)
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -24,6 +35,43 @@ def act_and_mul_ref(gu: torch.Tensor, activation: str) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def gated_act(gate, up, ACT: tl.constexpr):
+        """``act(gate) * up`` in fp32 for fp32 ``gate, up``: SiLU or GELU(tanh)."""
+        if ACT == "silu":
+            act = gate / (1.0 + tl.exp(-gate))
+        else:  # gelu_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+            act = 0.5 * gate * (1.0 + tanh)
+        return act * up
+
+    @triton.jit
+    def store_gated(out_ptr, y, start, n_out, BLOCK_N: tl.constexpr, ACT: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Epilogue of a matrix-vector product over a fused gate/up weight whose ``BLOCK_N`` rows are ``BLOCK_N / 2``
+        gate rows then the matching up rows: ``out[start + i] = act(gate[i]) * up[i]``, with gate and up first rounded
+        to the output dtype, so the result equals a separate ``act_and_mul`` over the product's output, bit for bit.
+        ``y: (BLOCK_N,)`` fp32."""
+        HALF: tl.constexpr = BLOCK_N // 2
+        gate, up = tl.split(tl.trans(tl.reshape(y, (2, HALF))))
+        dt = out_ptr.dtype.element_ty
+        if INTERPRETED:  # the interpreter's casts truncate: round as the GPU does
+            out = round_rne(gated_act(round_rne(gate, dt), round_rne(up, dt), ACT), dt)
+        else:
+            out = gated_act(gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32), ACT)
+        cols = start + tl.arange(0, HALF)
+        tl.store(out_ptr + cols, out.to(dt), mask=cols < n_out)
+
+    @triton.jit
+    def gated_rows(pid, N, BLOCK_N: tl.constexpr):
+        """Rows of a fused ``(N, K)`` gate/up weight for program ``pid`` of a gated matrix-vector product:
+        ``BLOCK_N / 2`` gate rows from ``pid * BLOCK_N / 2`` and the matching up rows ``N / 2`` further; returns
+        ``(rows, mask, first output column)``."""
+        HALF: tl.constexpr = BLOCK_N // 2
+        r = tl.arange(0, BLOCK_N)
+        inner = pid * HALF + r % HALF
+        return tl.where(r < HALF, inner, inner + N // 2), inner < N // 2, pid * HALF
+
+    @triton.jit
     def _act_and_mul_kernel(gu_ptr, out_ptr, N, stride_gu, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr,
                             PDL: tl.constexpr):
         wait_inputs(PDL)
@@ -32,13 +80,7 @@ if triton is not None:
         mask = cols < N
         gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gu_ptr + row * stride_gu + N + cols, mask=mask, other=0.0).to(tl.float32)
-        if ACT == "silu":
-            act = gate / (1.0 + tl.exp(-gate))
-        else:  # gelu_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-            tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
-            act = 0.5 * gate * (1.0 + tanh)
-        tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * stride_out + cols, gated_act(gate, up, ACT).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @llmplug_op("act_and_mul")

@@ -26,17 +26,19 @@ from ._triton import (
     use_triton,
     wait_inputs,
 )
-from .act_mul import act_and_mul_ref
+from .act_mul import act_and_mul_ref, gated_rows, store_gated
 
 ACTIVATIONS = ("", "silu", "gelu_tanh")
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-             activation: str = "") -> torch.Tensor:
-    """Reference. ``x: (1, K)`` (or ``(1, 2K)`` gate/up with ``activation``), ``weight: (N, K)`` -> ``(1, N)``."""
+             activation: str = "", gated: str = "") -> torch.Tensor:
+    """Reference. ``x: (1, K)`` (or ``(1, 2K)`` gate/up with ``activation``), ``weight: (N, K)`` -> ``(1, N)``, or
+    ``(1, N / 2)`` ``act(gate) * up`` with ``gated``."""
     if activation:
         x = act_and_mul_ref(x, activation)
-    return F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias)
+    return act_and_mul_ref(y, gated) if gated else y
 
 
 if triton is not None:
@@ -61,9 +63,13 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
+                     GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                     PDL: tl.constexpr):
+        if GATED != "":
+            rows, row_mask, start = gated_rows(tl.program_id(0), N, BLOCK_N)
+        else:
+            rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_mask = rows < N
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
         # the first weight tile is read before waiting for x (under PDL, while the previous kernel finishes)
@@ -76,9 +82,12 @@ if triton is not None:
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        if INTERPRETED:  # the interpreter's casts truncate; round as the GPU does
-            y = round_rne(y, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+        if GATED != "":
+            store_gated(out_ptr, y, start, N // 2, BLOCK_N, GATED, INTERPRETED)
+        else:
+            if INTERPRETED:  # the interpreter's casts truncate; round as the GPU does
+                y = round_rne(y, out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 def choose_config(n: int, k: int, activation: str = "") -> tuple[int, int, int, int]:
@@ -101,29 +110,31 @@ def choose_config(n: int, k: int, activation: str = "") -> tuple[int, int, int, 
 
 
 @llmplug_op("gemv")
-def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, block_n: int,
-             block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, gated: str,
+             block_n: int, block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
     if not use_triton(x):
-        return gemv_ref(x, weight, bias, activation)
+        return gemv_ref(x, weight, bias, activation, gated)
     assert x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1, "gemv needs x (1, K) and W (N, K)"
+    assert not gated or (weight.shape[0] % 2 == 0 and block_n % 2 == 0), "gated gemv layout"
     n, k = weight.shape
-    out = x.new_empty((1, n))
+    out = x.new_empty((1, n // 2 if gated else n))
     block_k = min(block_k, next_pow2(k))
     maybe_wrap(_gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        ACT=activation, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETED=INTERPRET, num_warps=num_warps,
+        ACT=activation, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETED=INTERPRET, num_warps=num_warps,
         num_stages=num_stages, **pdl_options(x))
     return out
 
 
 @_gemv_op.register_fake
-def _(x, weight, bias, activation, block_n, block_k, num_warps, num_stages):
-    return x.new_empty((x.shape[0], weight.shape[0]))
+def _(x, weight, bias, activation, gated, block_n, block_k, num_warps, num_stages):
+    return x.new_empty((x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0]))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "",
-         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for a single row, optionally ``act(gate) * up`` applied to ``x`` on the fly.
+         config: tuple[int, int, int, int] | None = None, gated: str = "") -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a single row, optionally ``act(gate) * up`` applied to ``x`` on the fly, or to
+    the output of a fused gate/up ``weight`` (``gated``).
 
     Args:
         x: ``(1, K)`` contiguous; with ``activation``, ``(1, 2K)`` = ``cat([gate, up])``.
@@ -131,17 +142,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         bias: optional ``(N,)``.
         activation: ``""`` (none), ``"silu"`` or ``"gelu_tanh"``.
         config: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``; default :func:`choose_config`.
+        gated: ``""`` (none), ``"silu"`` or ``"gelu_tanh"``: ``weight`` holds gate rows then up rows and the result is
+            ``act(y[:, :N/2]) * y[:, N/2:]``, bit for bit :func:`~llmplug.ops.act_mul.act_and_mul` of the product.
 
     Returns:
-        ``(1, N)`` in ``x.dtype``.
+        ``(1, N)`` in ``x.dtype``; ``(1, N / 2)`` when gated.
     """
     k = weight.shape[1]
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
+    if activation not in ACTIVATIONS or gated not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} and gated={gated!r} must be among {ACTIVATIONS}")
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"gated needs an even number of rows (gate then up), got {weight.shape[0]}")
     want = 2 * k if activation else k
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != want:
         raise ValueError(f"gemv needs x of shape (1, {want}), got {tuple(x.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x.dtype={x.dtype} does not match weight.dtype={weight.dtype}")
     config = config or choose_config(*weight.shape, activation)
-    return call_op(_gemv_op, x.contiguous(), weight, bias, activation, *config)
+    if gated and config[0] % 2:
+        config = (2 * config[0], *config[1:])
+    return call_op(_gemv_op, x.contiguous(), weight, bias, activation, gated, *config)

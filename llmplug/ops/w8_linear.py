@@ -29,6 +29,7 @@ from ._triton import (
     use_triton,
     wait_inputs,
 )
+from .act_mul import ACTIVATIONS, act_and_mul, gated_rows, store_gated
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -46,12 +47,15 @@ if triton is not None:
 
     @triton.jit
     def _w8_gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_om,
-                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         wait_inputs(PDL)
         m = tl.program_id(0)  # tokens vary fastest, so programs sharing weight rows run together (L2 reuse)
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
+        if GATED != "":
+            rows, row_mask, start = gated_rows(tl.program_id(1), N, BLOCK_N)
+        else:
+            rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_mask = rows < N
         cols = tl.arange(0, BLOCK_K)
         q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qn + cols[None, :]
         x_row = x_ptr + m * stride_xm
@@ -63,7 +67,10 @@ if triton is not None:
             acc += w8_to_f32(w) * xk[None, :]
             q_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
-        store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
+        if GATED != "":
+            store_gated(out_ptr + m * stride_om, y, start, N // 2, BLOCK_N, GATED, INTERPRETED)
+        else:
+            store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
 
     SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: flips each byte's sign bit, q -> q + 128
     BYTE_MAGIC = 0x47000000  # float32 bits of 2^15: a byte u placed at bits 8-15 reads 32768 + u
@@ -88,16 +95,20 @@ if triton is not None:
 
     @triton.jit
     def _w8_gemv_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, KW, stride_xm, stride_qn, stride_om, magic,
-                              HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                              EVEN: tl.constexpr, ASM: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                              HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_W: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr, INTERPRETED: tl.constexpr,
+                              PDL: tl.constexpr):
         # int8 weights read as int32 words (KW = K // 4; byte b of word t is element 4t + b). XOR-ing 0x80 into each
         # byte gives u = q + 128 in [0, 255]; byte_f32 turns each into offset + u with one instruction, and each
         # word's four products chain onto -(offset + 128) * (its four x summed): y = sum(q * x) * scale, about 4 SASS
         # instructions a weight byte against 7 with a shift and a mask a byte (sm_90 build; the GEMV stays bound by
-        # loads in flight, see BENCHMARKS.md). EVEN: N and KW divide by the tile.
+        # loads in flight, see BENCHMARKS.md). EVEN: N and KW divide by the tile. GATED: see store_gated.
         m = tl.program_id(0)
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
+        if GATED != "":
+            rows, row_mask, start = gated_rows(tl.program_id(1), N, BLOCK_N)
+        else:
+            rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_mask = rows < N
         t = tl.arange(0, BLOCK_W)
         q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qn + t[None, :]
         x_ptrs = x_ptr + m * stride_xm + 4 * t
@@ -127,7 +138,10 @@ if triton is not None:
             part = tl.fma(byte_f32(u, magic, 2, ASM, PRECISE), x2[None, :], part)
             acc += tl.fma(byte_f32(u, magic, 3, ASM, PRECISE), x3[None, :], part)
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
-        store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
+        if GATED != "":
+            store_gated(out_ptr + m * stride_om, y, start, N // 2, BLOCK_N, GATED, INTERPRETED)
+        else:
+            store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
 
     @triton.jit
     def _w8_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
@@ -212,29 +226,33 @@ def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, 
 
 @llmplug_op("w8_linear")
 def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                  block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+                  gated: str, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
                   split_k: int) -> torch.Tensor:
     if not use_triton(x):
-        return w8_linear_ref(x, qweight, scales, bias)
+        y = w8_linear_ref(x, qweight, scales, bias)
+        return act_and_mul(y, gated) if gated else y
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.dtype == torch.float32, "w8_linear layout"
     m = x.shape[0]
     n, k = qweight.shape
-    out = x.new_empty((m, n))
     b = bias if bias is not None else scales
-    if block_m == 1 and qweight.dtype == torch.int8 and k % 4 == 0:
-        words = qweight.view(torch.int32)
-        block_w = min(block_k // 4, next_pow2(k // 4))
-        maybe_wrap(_w8_gemv_words_kernel)[(m, triton.cdiv(n, block_n))](
-            x, words, scales, b, out, n, k // 4, x.stride(0), words.stride(0), out.stride(0), BYTE_MAGIC,
-            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_W=block_w, EVEN=n % block_n + k // 4 % block_w == 0,
-            ASM=not INTERPRET, INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
+    if block_m == 1:  # the GEMVs apply the gate in their epilogue: a program's rows are gate rows and their up rows
+        assert not gated or (bias is None and n % 2 == 0 and block_n % 2 == 0), "gated GEMV layout"
+        out = x.new_empty((m, n // 2 if gated else n))
+        grid = (m, triton.cdiv(n // 2 if gated else n, block_n // 2 if gated else block_n))
+        common = dict(HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, INTERPRETED=INTERPRET,
+                      num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
+        if qweight.dtype == torch.int8 and k % 4 == 0:
+            words = qweight.view(torch.int32)
+            block_w = min(block_k // 4, next_pow2(k // 4))
+            maybe_wrap(_w8_gemv_words_kernel)[grid](
+                x, words, scales, b, out, n, k // 4, x.stride(0), words.stride(0), out.stride(0), BYTE_MAGIC,
+                BLOCK_W=block_w, EVEN=n % block_n + k // 4 % block_w == 0, ASM=not INTERPRET, **common)
+        else:
+            maybe_wrap(_w8_gemv_kernel)[grid](
+                x, qweight, scales, b, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),
+                BLOCK_K=min(block_k, next_pow2(k)), **common)
         return out
-    if block_m == 1:
-        maybe_wrap(_w8_gemv_kernel)[(m, triton.cdiv(n, block_n))](
-            x, qweight, scales, b, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)),
-            INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
-        return out
+    out = x.new_empty((m, n))
     block_k = max(16, min(block_k, next_pow2(k)))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps_per_split, split, dest = split_k_plan(split_k, tiles, triton.cdiv(k, block_k), out)
@@ -244,7 +262,8 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_M=8,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRETED=INTERPRET, num_warps=num_warps,
         num_stages=num_stages, **pdl_options(x))
-    return out if split == 1 else split_k_reduce(dest, bias, out)
+    out = out if split == 1 else split_k_reduce(dest, bias, out)
+    return act_and_mul(out, gated) if gated else out
 
 
 @llmplug_op("w8_dequantize")
@@ -270,12 +289,12 @@ def w8_dequantize(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 
 
 @_w8_linear_op.register_fake
-def _(x, qweight, scales, bias, block_m, block_n, block_k, num_warps, num_stages, split_k):
-    return x.new_empty((x.shape[0], qweight.shape[0]))
+def _(x, qweight, scales, bias, gated, block_m, block_n, block_k, num_warps, num_stages, split_k):
+    return x.new_empty((x.shape[0], qweight.shape[0] // 2 if gated else qweight.shape[0]))
 
 
 def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-              config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+              config: tuple[int, int, int, int, int, int] | None = None, gated: str = "") -> torch.Tensor:
     """``x @ (qweight * scales[:, None])^T (+ bias)`` without materialising the dequantised weight.
 
     Args:
@@ -285,10 +304,15 @@ def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
         bias: optional ``(N,)``.
         config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)`` for the fused kernels; default:
             dequantise + cuBLAS from ``DENSE_MIN_TOKENS`` rows on the GPU, else :func:`choose_config`.
+        gated: ``""``, or ``"silu"`` / ``"gelu_tanh"`` for a fused gate/up weight (gate rows, then up rows): returns
+            ``act(y[:, :N/2]) * y[:, N/2:]`` (as :func:`~llmplug.ops.act_mul.act_and_mul` of the product), in the
+            one-token GEMV's epilogue.
 
     Returns:
-        ``(M, N)`` in ``x.dtype``.
+        ``(M, N)`` in ``x.dtype``, ``(M, N / 2)`` when gated.
     """
+    if gated and (gated not in ACTIVATIONS or bias is not None or qweight.shape[0] % 2):
+        raise ValueError(f"gated={gated!r} needs one of {ACTIVATIONS}, no bias and an even number of rows")
     n, k = qweight.shape
     if qweight.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"qweight.dtype={qweight.dtype} is not supported; choose one of {WEIGHT_DTYPES}")
@@ -297,6 +321,7 @@ def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
     if scales.shape != (n,):
         raise ValueError(f"scales must be ({n},), got {tuple(scales.shape)}")
     if config is None and dense_path(x, DENSE_MIN_TOKENS):
-        return F.linear(x, w8_dequantize(qweight, scales, x.dtype), bias)
+        y = F.linear(x, w8_dequantize(qweight, scales, x.dtype), bias)
+        return act_and_mul(y, gated) if gated else y
     config = config or choose_config(x.shape[0], n, k, fp8=qweight.dtype == torch.float8_e4m3fn)
-    return call_op(_w8_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias, *config)
+    return call_op(_w8_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias, gated, *config)

@@ -71,17 +71,34 @@ class QuantLinear(nn.Module):
         """``x: (M, K)`` (or ``(M, 2K)`` gate/up with ``activation``, applied as ``act(gate) * up``) -> ``(M, N)``.
 
         The kernel is chosen by ``M``. NOTE: the activation stays a kernel of its own: fused into the one-token
-        GEMVs it cost more than it saved (H100, 8B down projection, int8 30.8 us fused against 23.3 + ~3 us).
+        GEMVs' input it cost more than it saved (H100, 8B down projection, int8 30.8 us fused against 23.3 + ~3 us);
+        :meth:`gated_matmul` applies it to the gate/up product's output instead.
         """
         if activation:
             x = act_and_mul(x, activation)
-        if self.perm is not None:
-            x = x.index_select(1, self.perm)
+        return self._product(x)
+
+    def gated_matmul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """``act(x @ W_gate^T) * (x @ W_up^T)`` for a fused gate/up module (gate rows first): ``x: (M, K)`` ->
+        ``(M, N / 2)``. int8 / fp8 one-token GEMVs apply it in their epilogue (no activation kernel)."""
+        if self.method == "int4" or self.bias is not None or (self.method == "fp8" and self._fp8_gemm(x)):
+            return act_and_mul(self._product(x), activation)
+        return w8_linear(self._permuted(x), self.qweight, self.scales, gated=activation)
+
+    def _permuted(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(1, self.perm) if self.perm is not None else x
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._permuted(x)
         if self.method == "int4":
             return w4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
-        if self.method == "fp8" and x.shape[0] >= FP8_GEMM_MIN_TOKENS and self._fp8_gemm_ok(x):
+        if self.method == "fp8" and self._fp8_gemm(x):
             return fp8_linear(x, self.qweight, self.scales, self.bias)
         return w8_linear(x, self.qweight, self.scales, self.bias)
+
+    def _fp8_gemm(self, x: torch.Tensor) -> bool:
+        """Whether fp8 runs on FP8 tensor cores for ``x``."""
+        return x.shape[0] >= FP8_GEMM_MIN_TOKENS and self._fp8_gemm_ok(x)
 
     def _fp8_gemm_ok(self, x: torch.Tensor) -> bool:
         n, k = self.qweight.shape

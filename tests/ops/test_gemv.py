@@ -30,6 +30,20 @@ def test_fused_activation(activation, dtype):
     assert_close_matmul_like(out, ref64, same)
 
 
+@pytest.mark.parametrize("gated", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("n", [2, 38, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_output(gated, n, dtype):
+    """Gate rows then up rows: act(gate) * up in the epilogue, each half rounded as the plain product would be."""
+    x = torch.randn(1, 80, dtype=dtype)
+    w = torch.randn(n, 80, dtype=dtype)
+    out = gemv(x, w, gated=gated, config=(8, 32, 4, 2))
+    assert out.shape == (1, n // 2)
+    ref64 = gemv_ref(x.double(), w.double(), gated=gated)
+    same = gemv_ref(x, w, gated=gated)
+    assert_close_matmul_like(out, ref64, same)
+
+
 def test_row_view_of_fused_weight():
     fused = torch.randn(48, 96)
     w = fused[16:40]
@@ -42,8 +56,11 @@ def test_bad_input():
         gemv(torch.randn(2, 8), torch.randn(4, 8))
     with pytest.raises(ValueError, match="relu"):
         gemv(torch.randn(1, 16), torch.randn(4, 8), activation="relu")
+    with pytest.raises(ValueError, match="even"):
+        gemv(torch.randn(1, 8), torch.randn(5, 8), gated="silu")
 
 
 def test_opcheck():
-    args = (torch.randn(1, 32), torch.randn(16, 32), None, "", 8, 32, 4, 2)
+    args = (torch.randn(1, 32), torch.randn(16, 32), None, "", "", 8, 32, 4, 2)
     torch.library.opcheck(torch.ops.llmplug.gemv.default, args)
+    torch.library.opcheck(torch.ops.llmplug.gemv.default, (*args[:4], "silu", *args[5:]))

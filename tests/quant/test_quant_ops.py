@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llmplug.ops._qmm import choose_split_k
+from llmplug.ops.act_mul import act_and_mul_ref
 from llmplug.ops.fp8_linear import fp8_linear, fp8_linear_ref, quantize_rows_fp8, quantize_rows_fp8_ref
 from llmplug.ops.w4_linear import choose_config as w4_choose_config
 from llmplug.ops.w4_linear import w4_dequantize, w4_linear, w4_linear_ref
@@ -81,6 +82,23 @@ def test_w8_configs(config):
     w, x = torch.randn(24, 200), torch.randn(1 if config[0] == 1 else 7, 200)
     q, s = quantize_int8(w)
     torch.testing.assert_close(w8_linear(x, q, s, config=config), w8_linear_ref(x, q, s), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n,k", [(38, 256), (22, 90), (40, 1100)])  # words (even tiles or not), bytes (K % 4)
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_w8_gated(n, k, method, activation, m):
+    """gated=act: act(gate) * up of a fused gate/up product; one token in the GEMV's epilogue, else after."""
+    w, x = torch.randn(n, k), torch.randn(m, k, dtype=torch.bfloat16)
+    q, s = (quantize_int8 if method == "int8" else quantize_fp8)(w)
+    out = w8_linear(x, q, s, gated=activation)
+    assert out.shape == (m, n // 2) and out.dtype == x.dtype
+    want = act_and_mul_ref(w8_linear_ref(x, q, s), activation)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert sqnr_db(want, out) >= KERNEL_VS_REF_SQNR_DB
+    with pytest.raises(ValueError, match="gated"):
+        w8_linear(x, q, s, torch.zeros(n), gated=activation)
 
 
 def test_weight_sqnr_on_llama_like_shapes():
@@ -188,6 +206,7 @@ def test_bad_input():
 def test_opcheck():
     q, s = quantize_int8(torch.randn(16, 64))
     x = torch.randn(3, 64)
-    torch.library.opcheck(torch.ops.llmplug.w8_linear, (x, q, s, None, 16, 16, 32, 4, 2, 1))
+    torch.library.opcheck(torch.ops.llmplug.w8_linear, (x, q, s, None, "", 16, 16, 32, 4, 2, 1))
+    torch.library.opcheck(torch.ops.llmplug.w8_linear, (x[:1], q, s, None, "silu", 1, 4, 32, 4, 2, 1))
     q4, s4, z4 = quantize_int4(torch.randn(16, 64), 32)
     torch.library.opcheck(torch.ops.llmplug.w4_linear, (x, q4, s4, z4, 32, None, 16, 16, 1, 4, 2, 1))

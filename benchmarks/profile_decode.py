@@ -31,6 +31,13 @@ def main(name: str, batch: int = 1, quantize: str | None = None, profile_host: b
     model.generate(input_ids=ids, max_new_tokens=256, do_sample=False)
     torch.cuda.synchronize()
     step = (time.perf_counter() - t0) / 256
+    sample = dict(do_sample=True, temperature=0.7, top_k=50, top_p=0.9)
+    model.generate(input_ids=ids, max_new_tokens=8, **sample)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(input_ids=ids, max_new_tokens=256, eos_token_id=None, **sample)
+    torch.cuda.synchronize()
+    sampled = (time.perf_counter() - t0) / 256
     t0 = time.perf_counter()
     for _ in range(10):
         model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
@@ -53,7 +60,7 @@ def main(name: str, batch: int = 1, quantize: str | None = None, profile_host: b
           f"graph replay {replay * 1e3:.3f} ms, weights {wb / 1e9:.2f} GB -> {wb / replay / 1e12:.2f} TB/s in replay")
     glue = (256 * step - first - 255 * replay) / 255
     print(f"generate with one new token (set-up + prefill) {first * 1e3:.2f} ms; per decode step outside the graph "
-          f"{glue * 1e6:.0f} us")
+          f"{glue * 1e6:.0f} us; sampled generate step (temperature 0.7, top-k 50, top-p 0.9) {sampled * 1e3:.3f} ms")
     if profile_host:
         import cProfile
         import pstats

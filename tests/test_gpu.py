@@ -116,6 +116,28 @@ def test_greedy_graph_over_several_rings_and_pages():
     assert ("greedy", 4) in model._llmplug_runner._graphs
 
 
+def test_sampling_graph_matches_stock_seeded_samples():
+    """Seeded sampling with stateless warpers runs one graph replay a step and draws HF's own samples: same tokens
+    as stock HF for a seed, the random stream left where stock HF leaves it, other seeds differ, rows finish on eos."""
+    model = make_model("llama").cuda()
+    ids, mask = (t.cuda() for t in pad(prompts(3)))
+    kw = dict(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.9, top_k=40, top_p=0.9, min_p=0.01,
+              max_new_tokens=40)
+
+    def run(seed, **extra):
+        torch.manual_seed(seed)
+        out = model.generate(**kw, **extra)
+        return out, torch.rand(1, device="cuda")
+
+    expected = [run(seed, eos_token_id=eos) for seed in (3, 4) for eos in (None, [5, 9, 17])]
+    llmplug.optimize(model, graph_batch_sizes=(1, 4))
+    got = [run(seed, eos_token_id=eos) for seed in (3, 4) for eos in (None, [5, 9, 17])]
+    for (want, want_next), (out, out_next) in zip(expected, got):
+        assert torch.equal(out, want) and torch.equal(out_next, want_next)
+    assert not torch.equal(got[0][0], got[2][0])
+    assert any(k[0] == "sample" and k[1] == 3 for k in model._llmplug_runner._graphs)
+
+
 @pytest.mark.parametrize("rows,vocab", [(1, 128256), (5, 32000), (64, 151936)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_greedy_step_cuda(rows, vocab, dtype):

@@ -11,7 +11,17 @@ import functools
 import warnings
 
 import torch
-from transformers import EosTokenCriteria, GenerationMixin, MaxLengthCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers import (
+    EosTokenCriteria,
+    GenerationMixin,
+    MaxLengthCriteria,
+    MinPLogitsWarper,
+    StoppingCriteriaList,
+    StopStringCriteria,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.generation import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -65,6 +75,28 @@ def _fallback_reason(model, config, kwargs: dict) -> str | None:
     if getattr(config, "guidance_scale", None) not in (None, 1.0):
         return "guidance_scale"
     return None
+
+
+# logits warpers that ignore input_ids and the step (so a CUDA graph can bake them in)
+_GRAPH_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+def _processors_key(processors) -> tuple:
+    """What a sampling graph bakes in: each warper's class and settings."""
+    return tuple((type(p).__name__, repr(sorted(vars(p).items()))) for p in processors)
+
+
+def _rewind_rng(before: torch.Tensor, ran: int, kept: int, device) -> None:
+    """Leave the CUDA generator where HF's loop would: after ``kept`` sampling steps, not the ``ran`` the graph loop
+    replayed (it learns late that every row finished). Its state is a seed and a Philox offset (two 64-bit words),
+    which each replay advanced by the same amount."""
+    if ran == kept:
+        return
+    start = before.view(torch.int64)[1]
+    after = torch.cuda.get_rng_state(device)
+    offset = after.view(torch.int64)
+    offset[1] = start + (offset[1] - start) // ran * kept
+    torch.cuda.set_rng_state(after, device)
 
 
 def _graph_stopping(stopping_criteria, max_length: int) -> tuple[torch.Tensor, int] | None:
@@ -126,8 +158,11 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
     deferred = input_ids.device.type == "cuda" and streamer is None
     done_host = torch.zeros((), dtype=torch.bool, pin_memory=True) if deferred else None
     done_event = None
-    # plain greedy decoding whose only stops are max length and eos ids: every later step is one graph replay
-    on_device = _graph_stopping(stopping_criteria, generation_config.max_length) if plain_greedy and deferred else None
+    # greedy or stateless sampling whose only stops are max length and eos ids: every later step is one graph replay
+    graph_sampling = (generation_config.do_sample and scores is None and raw_logits is None
+                      and all(type(p) in _GRAPH_WARPERS for p in logits_processor))
+    on_device = (_graph_stopping(stopping_criteria, generation_config.max_length)
+                 if (plain_greedy or graph_sampling) and deferred else None)
     try:
         logits = seqs.prefill()
         while True:
@@ -171,10 +206,15 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
                 on_device = None
                 if not unfinished.any():
                     break
-                new = seqs.decode_greedy(next_tokens, unfinished, eos, int(pad) if pad is not None else 0,
-                                         limit - input_ids.shape[1])
-                if new is not None:
+                graph = runner.greedy_graph(batch) if plain_greedy else runner.sample_graph(
+                    batch, logits_processor, _processors_key(logits_processor))
+                if graph is not None:
+                    rng = torch.cuda.get_rng_state(input_ids.device)
+                    new, ran = seqs.decode_in_graph(graph, next_tokens, unfinished, eos,
+                                                    int(pad) if pad is not None else 0, limit - input_ids.shape[1])
                     input_ids = torch.cat([input_ids, new], dim=-1)
+                    if not plain_greedy:
+                        _rewind_rng(rng, ran, new.shape[1], input_ids.device)
                     break
             logits = seqs.decode(next_tokens)
     finally:

@@ -14,7 +14,7 @@ import torch
 from ..config import OptimizeConfig
 from ..kv.cache import PagedKVCache, kv_storage_dtype
 from ..ops._triton import programmatic_launch
-from ..ops.greedy_step import greedy_step
+from ..ops.greedy_step import advance_step, greedy_step
 from .attention import ATTENTION_NAME
 from .metadata import AttentionMetadata
 
@@ -24,6 +24,7 @@ ForwardFn = Callable[["ModelRunner", torch.Tensor, torch.Tensor, torch.Tensor | 
 _MAX_BLOCKS = 1 << 18
 MAX_EOS = 8  # end-of-sequence ids a greedy graph checks on the device
 GREEDY_RING = 16  # greedy graph steps between two reads of their tokens by the host
+MAX_SAMPLE_GRAPHS = 4  # sampling graphs kept (one per batch size and sampler settings)
 
 
 def hf_forward(runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -201,33 +202,61 @@ class ModelRunner:
 
         One replay is a decode step plus :func:`~llmplug.ops.greedy_step.greedy_step` on its buffers: the token it
         picks becomes the next replay's input and positions advance on the device, so consecutive replays need no
-        host work but the pages a row grows into (``block_tables``). Buffers: ``input_ids, positions (bucket,)``,
-        ``block_tables``, ``unfinished (bucket,) bool``, ``eos (MAX_EOS,)`` padded with -1, ``pad (1,)``,
-        ``ring (bucket, GREEDY_RING)`` (step ``s`` writes column ``s % GREEDY_RING``), ``counters (2,)``.
+        host work but the pages a row grows into (``block_tables``). Buffers: ``input_ids, positions (rows,)``,
+        ``block_tables``, ``unfinished (rows,) bool``, ``eos (MAX_EOS,)`` padded with -1, ``pad (1,)``,
+        ``ring (rows, GREEDY_RING)`` (step ``s`` writes column ``s % GREEDY_RING``), ``counters (2,)``.
         """
         bucket = self.graph_bucket(batch)
         if bucket is None:
             return None
-        return self._graphs.get(("greedy", bucket)) or self._capture_greedy(bucket)
+        return self._graphs.get(("greedy", bucket)) or self._capture_token_loop(("greedy", bucket), bucket, None)
 
-    def _capture_greedy(self, bucket: int):
+    @torch.inference_mode()
+    def sample_graph(self, batch: int, processors, key) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]] | None:
+        """Like :meth:`greedy_graph`, but the token is sampled as HF's ``_sample`` does: ``processors`` (stateless
+        logits warpers, which ignore ``input_ids``) on fp32 logits, softmax, ``torch.multinomial``.
+
+        Captured for exactly ``batch`` rows (``multinomial``'s use of the random stream depends on the row count, so
+        this keeps stock HF's seeded samples) and per ``key`` (the processors' settings, which the graph bakes in);
+        the ``MAX_SAMPLE_GRAPHS`` most recent are kept. The random state is restored after the capture's warm-up,
+        and every replay draws from the default CUDA generator like an eager step. None where steps run eagerly.
+        """
+        if self.graph_bucket(batch) is None:
+            return None
+        full = ("sample", batch, key)
+        if full in self._graphs:
+            self._graphs[full] = self._graphs.pop(full)  # most recently used last
+            return self._graphs[full]
+        for old in [k for k in self._graphs if k[0] == "sample"][:-MAX_SAMPLE_GRAPHS + 1 or None]:
+            del self._graphs[old]
+        state = torch.cuda.get_rng_state(self.device)
+        try:
+            return self._capture_token_loop(full, batch, processors)
+        finally:
+            torch.cuda.set_rng_state(state, self.device)
+
+    def _capture_token_loop(self, key, rows: int, processors):
         dev = self.device
-        buf = self._buffers(bucket, bucket)
-        buf.update(unfinished=torch.zeros(bucket, dtype=torch.bool, device=dev),
+        buf = self._buffers(rows, rows)
+        buf.update(unfinished=torch.zeros(rows, dtype=torch.bool, device=dev),
                    eos=torch.full((MAX_EOS,), -1, dtype=torch.long, device=dev),
                    pad=torch.zeros(1, dtype=torch.long, device=dev),
-                   ring=torch.zeros(bucket, GREEDY_RING, dtype=torch.long, device=dev),
+                   ring=torch.zeros(rows, GREEDY_RING, dtype=torch.long, device=dev),
                    counters=torch.zeros(2, dtype=torch.long, device=dev))
+        state = [buf[k] for k in ("unfinished", "eos", "pad", "ring", "input_ids", "positions", "counters")]
 
         def step():
             meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
             logits = self.forward(buf["input_ids"], buf["positions"].clamp(min=0), meta, None)
-            with programmatic_launch():
-                greedy_step(logits, buf["unfinished"], buf["eos"], buf["pad"], buf["ring"], buf["input_ids"],
-                            buf["positions"], buf["counters"])
+            if processors is None:
+                with programmatic_launch():
+                    greedy_step(logits, *state)
+            else:  # HF's _sample on this step's logits
+                scores = processors(buf["input_ids"][:, None], logits.to(copy=True, dtype=torch.float32))
+                advance_step(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1), *state)
             return logits
 
-        return self._capture(("greedy", bucket), buf, step)
+        return self._capture(key, buf, step)
 
     def _buffers(self, rows: int, tokens: int) -> dict[str, torch.Tensor]:
         dev = self.device

@@ -128,12 +128,15 @@ class SequenceBatch:
         self.positions += 1
         return out
 
-    def decode_greedy(self, tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tensor, pad: int,
-                      steps: int) -> torch.Tensor | None:
-        """Up to ``steps`` greedy decode steps, each one replay of the runner's greedy graph (the token is picked and
-        fed back on the device); the host only adds pages and, every ``GREEDY_RING`` steps, collects the tokens.
+    def decode_in_graph(self, graph_buf, tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tensor, pad: int,
+                        steps: int) -> tuple[torch.Tensor, int]:
+        """Up to ``steps`` decode steps, each one replay of a token-choosing graph of the runner (greedy or sampling:
+        the token is picked and fed back on the device); the host only adds pages and, every ``GREEDY_RING`` steps,
+        collects the tokens.
 
         Args:
+            graph_buf: ``(graph, buffers)`` from :meth:`ModelRunner.greedy_graph` or :meth:`ModelRunner.sample_graph`
+                for this batch.
             tokens: ``(B,)`` the tokens chosen last (this call's first inputs).
             unfinished: ``(B,)`` bool, rows that have not produced an end-of-sequence id.
             eos: ``(E,)`` end-of-sequence ids, ``E <= MAX_EOS``.
@@ -142,15 +145,11 @@ class SequenceBatch:
 
         Returns:
             ``(B, n)`` the new tokens, ``n <= steps``: the loop ends after the step in which the last row finishes, as
-            HF's does; it learns that one ring of steps late and drops the extra tokens. None when no graph covers
-            this batch (the caller steps eagerly).
+            HF's does; it learns that one ring of steps late and drops the extra tokens. And how many steps ran.
         """
         from .runner import GREEDY_RING
 
         rows = len(self.prompts)
-        graph_buf = self.runner.greedy_graph(rows)
-        if graph_buf is None:
-            return None
         graph, buf = graph_buf
         width = self.block_table_dev.shape[1]
         buf["input_ids"][:rows].copy_(tokens)
@@ -182,4 +181,4 @@ class SequenceBatch:
             done_event = torch.cuda.Event()
             done_event.record()
         self.positions += ran
-        return torch.cat(chunks, dim=1)[:, :int(buf["counters"][1])]
+        return torch.cat(chunks, dim=1)[:, :int(buf["counters"][1])], ran

@@ -12,6 +12,7 @@ For every row ``b`` of ``logits (B, V)``, in place on the decode loop's state:
 ``counters (2,) int64`` holds ``(step, n_tokens)``: ``n_tokens`` counts the steps whose tokens HF's loop keeps (it
 stops after the step in which the last row finishes). Two kernels: a split argmax (``B x S`` programs, one
 ``BLOCK`` of the vocabulary each) and a single program that combines the partial maxima and updates the state.
+:func:`advance_step` is the second half alone, for tokens chosen otherwise (sampling).
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ def greedy_step_ref(logits: torch.Tensor, unfinished: torch.Tensor, eos: torch.T
     """Reference, in place (see the module docstring); no host synchronisation, so it can be graph-captured."""
     x = logits.float()
     best = torch.argmax(torch.where(torch.isnan(x), float("inf"), x), dim=-1)
-    nxt = torch.where(unfinished, best, pad)
+    advance_step_ref(best, unfinished, eos, pad, ring, input_ids, positions, counters)
+
+
+def advance_step_ref(tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tensor, pad: torch.Tensor,
+                     ring: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                     counters: torch.Tensor) -> None:
+    """Reference of :func:`advance_step`: the module docstring's update with ``next = tokens``."""
+    nxt = torch.where(unfinished, tokens, pad)
     step = counters[:1]
     alive = unfinished.any()
     unfinished &= ~torch.isin(nxt, eos)
@@ -103,6 +111,16 @@ def _greedy_step_op(logits: torch.Tensor, unfinished: torch.Tensor, eos: torch.T
     pdl = pdl_options(logits)
     maybe_wrap(_argmax_partial_kernel)[(rows, parts)](logits, vals, idx, vocab, logits.stride(0), parts, BLOCK=block,
                                                       num_warps=4, **pdl)
+    _launch_update(vals, idx, unfinished, eos, pad, ring, input_ids, positions, counters, pdl)
+
+
+@_greedy_step_op.register_fake
+def _(logits, unfinished, eos, pad, ring, input_ids, positions, counters):
+    return None
+
+
+def _launch_update(vals, idx, unfinished, eos, pad, ring, input_ids, positions, counters, pdl: dict) -> None:
+    rows, parts = vals.shape
     block_s = next_pow2(parts)
     block_b = max(1, min(next_pow2(rows), 8192 // block_s))
     maybe_wrap(_greedy_update_kernel)[(1,)](vals, idx, unfinished, eos, pad, ring, input_ids, positions, counters,
@@ -110,9 +128,43 @@ def _greedy_step_op(logits: torch.Tensor, unfinished: torch.Tensor, eos: torch.T
                                             BLOCK_S=block_s, num_warps=4, **pdl)
 
 
-@_greedy_step_op.register_fake
-def _(logits, unfinished, eos, pad, ring, input_ids, positions, counters):
+@llmplug_op("advance_step", mutates_args=("unfinished", "ring", "input_ids", "positions", "counters"))
+def _advance_step_op(tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tensor, pad: torch.Tensor,
+                     ring: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                     counters: torch.Tensor) -> None:
+    if not use_triton(tokens):
+        advance_step_ref(tokens, unfinished, eos, pad, ring, input_ids, positions, counters)
+        return
+    assert ring.is_contiguous() and eos.numel() == next_pow2(eos.numel())
+    vals = torch.zeros((tokens.shape[0], 1), dtype=torch.float32, device=tokens.device)  # one "partial" a row
+    _launch_update(vals, tokens.to(torch.int32)[:, None], unfinished, eos, pad, ring, input_ids, positions, counters,
+                   pdl_options(tokens))
+
+
+@_advance_step_op.register_fake
+def _(tokens, unfinished, eos, pad, ring, input_ids, positions, counters):
     return None
+
+
+def _check_state(rows, unfinished, eos, ring, input_ids, positions, counters) -> None:
+    if eos.numel() != next_pow2(eos.numel()):
+        raise ValueError(f"eos must hold a power of two of ids (pad with -1), got {eos.numel()}")
+    for name, t in (("unfinished", unfinished), ("input_ids", input_ids), ("positions", positions)):
+        if t.shape != (rows,):
+            raise ValueError(f"{name} must be ({rows},), got {tuple(t.shape)}")
+    if ring.dim() != 2 or ring.shape[0] != rows or counters.shape != (2,):
+        raise ValueError(f"ring must be ({rows}, R) and counters (2,), got {tuple(ring.shape)} and "
+                         f"{tuple(counters.shape)}")
+
+
+def advance_step(tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tensor, pad: torch.Tensor,
+                 ring: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, counters: torch.Tensor) -> None:
+    """:func:`greedy_step`'s state update for tokens chosen elsewhere: ``tokens (B,)`` int64 (e.g. sampled); the other
+    arguments as there."""
+    if tokens.shape != (tokens.shape[0],):
+        raise ValueError(f"tokens must be (B,), got {tuple(tokens.shape)}")
+    _check_state(tokens.shape[0], unfinished, eos, ring, input_ids, positions, counters)
+    call_op(_advance_step_op, tokens, unfinished, eos, pad, ring, input_ids, positions, counters)
 
 
 def greedy_step(logits: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tensor, pad: torch.Tensor,
@@ -128,15 +180,7 @@ def greedy_step(logits: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tenso
         input_ids, positions: ``(B,)`` int64, the next step's inputs, updated.
         counters: ``(2,)`` int64 ``(step, n_tokens)``, updated.
     """
-    rows = logits.shape[0]
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be (B, V) with unit stride along V, got {tuple(logits.shape)}")
-    if eos.numel() != next_pow2(eos.numel()):
-        raise ValueError(f"eos must hold a power of two of ids (pad with -1), got {eos.numel()}")
-    for name, t in (("unfinished", unfinished), ("input_ids", input_ids), ("positions", positions)):
-        if t.shape != (rows,):
-            raise ValueError(f"{name} must be ({rows},), got {tuple(t.shape)}")
-    if ring.dim() != 2 or ring.shape[0] != rows or counters.shape != (2,):
-        raise ValueError(f"ring must be ({rows}, R) and counters (2,), got {tuple(ring.shape)} and "
-                         f"{tuple(counters.shape)}")
+    _check_state(logits.shape[0], unfinished, eos, ring, input_ids, positions, counters)
     call_op(_greedy_step_op, logits, unfinished, eos, pad, ring, input_ids, positions, counters)

@@ -91,3 +91,19 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.llmplug.greedy_step.default,
                           (torch.randn(3, 40), *[state[k] for k in ("unfinished", "eos", "pad", "ring", "input_ids",
                                                                      "positions", "counters")]))
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_advance_step_takes_given_tokens(kernel):
+    from llmplug.ops.greedy_step import advance_step
+
+    state = _state(3)
+    state["unfinished"][:] = torch.tensor([True, True, False])
+    tokens = torch.tensor([11, 4, 9])
+    out = {k: v.clone() for k, v in state.items()}
+    with cpu_kernels(kernel):
+        advance_step(tokens, out["unfinished"], out["eos"], out["pad"], out["ring"], out["input_ids"],
+                     out["positions"], out["counters"])
+    assert out["input_ids"].tolist() == [11, 4, 0]  # the finished row emits pad
+    assert out["unfinished"].tolist() == [False, True, False]  # 11 is an eos id
+    assert out["ring"][:, 7 % 5].tolist() == [11, 4, 0] and out["counters"].tolist() == [8, 8]

@@ -176,3 +176,28 @@ def test_pages_cover_tokens_with_under_one_page_slack():
     before = pool.num_free
     batch.release()
     assert pool.num_free == before + sum(len(-(-n // p) * [0]) for n in (5, 17, 33))
+
+
+def test_graph_loop_eligibility():
+    """Which stopping criteria and warpers the on-device (CUDA graph) decoding loop takes over."""
+    from transformers import (
+        EosTokenCriteria,
+        MaxLengthCriteria,
+        MaxTimeCriteria,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    eos, limit = generate_module._graph_stopping(
+        [MaxLengthCriteria(30), EosTokenCriteria([5, 9]), MaxLengthCriteria(25)], max_length=40)
+    assert eos.tolist() == [5, 9] and limit == 25
+    assert generate_module._graph_stopping([MaxLengthCriteria(30)], 40)[0].numel() == 0
+    assert generate_module._graph_stopping([MaxTimeCriteria(1.0)], 40) is None  # a host-side criterion
+    assert generate_module._graph_stopping([EosTokenCriteria(list(range(9)))], 40) is None  # > MAX_EOS ids
+    warpers = [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)]
+    assert all(type(p) in generate_module._GRAPH_WARPERS for p in warpers)
+    assert RepetitionPenaltyLogitsProcessor not in generate_module._GRAPH_WARPERS  # reads the growing input_ids
+    key = generate_module._processors_key(warpers)
+    assert key == generate_module._processors_key([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)])
+    assert key != generate_module._processors_key([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)])

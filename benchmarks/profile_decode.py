@@ -71,7 +71,7 @@ def main(name: str, batch: int = 1, quantize: str | None = None, profile_host: b
         pstats.Stats(host).sort_stats("cumulative").print_stats(30)
     pos = torch.full((batch,), 200, device="cuda")
     bt = buf["block_tables"][:batch]
-    meta = decode_metadata(pos, bt, runner.block_size)
+    _, meta = decode_metadata(pos, bt, runner.block_size)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         runner.forward(buf["input_ids"][:batch], pos, meta, None)
         torch.cuda.synchronize()

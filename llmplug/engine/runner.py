@@ -14,6 +14,7 @@ import torch
 from ..config import OptimizeConfig
 from ..kv.cache import PagedKVCache, kv_storage_dtype
 from ..ops._triton import programmatic_launch
+from ..ops.decode_slots import decode_slots
 from ..ops.greedy_step import advance_step, greedy_step
 from .attention import ATTENTION_NAME
 from .metadata import AttentionMetadata
@@ -37,14 +38,13 @@ def hf_forward(runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Te
     return out.logits[0]
 
 
-def decode_metadata(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> AttentionMetadata:
-    """Decode metadata from device tensors alone: ``positions (B,)`` (-1: padding row), ``block_tables (B, M)``."""
-    pos = positions.clamp(min=0)
-    page = block_tables.gather(1, (pos // block_size)[:, None]).squeeze(1).to(torch.long)
-    valid = positions >= 0
-    slots = torch.where(valid, page * block_size + pos % block_size, -1)
-    seq_lens = torch.where(valid, positions + 1, 0).to(torch.int32)
-    return AttentionMetadata(is_decode=True, slot_mapping=slots, block_tables=block_tables, seq_lens=seq_lens)
+def decode_metadata(positions: torch.Tensor, block_tables: torch.Tensor,
+                    block_size: int) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Decode metadata from device tensors alone, in one kernel: ``positions (B,)`` (-1: padding row),
+    ``block_tables (B, M)`` -> ``(positions clamped at 0, metadata)``."""
+    clamped, slots, seq_lens = decode_slots(positions, block_tables, block_size)
+    return clamped, AttentionMetadata(is_decode=True, slot_mapping=slots, block_tables=block_tables,
+                                      seq_lens=seq_lens)
 
 
 class ModelRunner:
@@ -186,7 +186,8 @@ class ModelRunner:
         batch = input_ids.shape[0]
         bucket = self.graph_bucket(batch)
         if bucket is None:
-            return self.forward(input_ids, positions, decode_metadata(positions, block_tables, self.block_size), None)
+            return self.forward(input_ids, positions, decode_metadata(positions, block_tables, self.block_size)[1],
+                                None)
         graph, buf = self._graphs.get(("decode", bucket)) or self._capture_decode(bucket)
         buf["input_ids"][:batch].copy_(input_ids)
         buf["positions"][:batch].copy_(positions)
@@ -246,8 +247,8 @@ class ModelRunner:
         state = [buf[k] for k in ("unfinished", "eos", "pad", "ring", "input_ids", "positions", "counters")]
 
         def step():
-            meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
-            logits = self.forward(buf["input_ids"], buf["positions"].clamp(min=0), meta, None)
+            positions, meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
+            logits = self.forward(buf["input_ids"], positions, meta, None)
             if processors is None:
                 with programmatic_launch():
                     greedy_step(logits, *state)
@@ -270,8 +271,8 @@ class ModelRunner:
         buf = self._buffers(bucket, bucket)
 
         def step():
-            meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
-            return self.forward(buf["input_ids"], buf["positions"].clamp(min=0), meta, None)
+            positions, meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
+            return self.forward(buf["input_ids"], positions, meta, None)
 
         return self._capture(("decode", bucket), buf, step)
 

@@ -66,6 +66,9 @@ class Dense:
         return act_and_mul(self.matmul(x), activation)
 
 
+_POSITION_ONLY_ROPE = {"default", "linear", "llama3", "yarn"}  # rope types whose cos/sin depend on the position alone
+_ROPE_TABLE_MAX_BYTES = 128 << 20
+
 Linear = Dense | QuantLinear  # both offer matmul(x, activation="") and gated_matmul(x, activation)
 
 
@@ -143,6 +146,10 @@ class FusedDecoder:
                 rope_key=getattr(attn, "layer_type", None) if spec.rope_per_layer_type else None, module=layer,
             ))
         self.head_dim = self.base.layers[0].self_attn.head_dim
+        rope = getattr(text, "rope_parameters", None) or {}
+        kinds = {rope.get("rope_type")} | {v.get("rope_type") for v in rope.values() if isinstance(v, dict)}
+        self._rope_by_position = {kind or "default" for kind in kinds} <= _POSITION_ONLY_ROPE
+        self._rope_tables: dict[str | None, torch.Tensor] | None = None
 
     def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         return rms_norm(x, norm.weight, _eps(norm), self.spec.norm_offset)
@@ -150,21 +157,38 @@ class FusedDecoder:
     def _add_norm(self, x, residual, norm):
         return add_rms_norm(x, residual, norm.weight, _eps(norm), self.spec.norm_offset)
 
-    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple]:
-        pos = positions[None]
-        if self.spec.rope_per_layer_type:
-            keys = {layer.rope_key for layer in self.layers}
-            embs = {k: self.base.rotary_emb(hidden, pos, k) for k in keys}
-        else:
-            embs = {None: self.base.rotary_emb(hidden, pos)}
+    def _rotary_emb(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple]:
+        """HF's rotary module on ``positions (T,)``: ``{rope key: (cos (T, R), sin (T, R))}`` in ``hidden.dtype``."""
+        keys = {layer.rope_key for layer in self.layers}
+        embs = {k: self.base.rotary_emb(hidden, positions[None], *([k] if k is not None else [])) for k in keys}
         return {k: (cos[0], sin[0]) for k, (cos, sin) in embs.items()}
+
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor, max_len: int) -> dict[str | None, tuple]:
+        """cos and sin ``(T, R)`` per rope key for ``positions (T,)``.
+
+        Where every rope type depends on the position alone, they are rows of a ``(max_len, 2, R)`` table that HF's
+        rotary module filled once (the same values, its products and cosines being per element): one gather a step
+        instead of the module's eight or so small kernels. Other rope types (dynamic, longrope), and tables over
+        ``_ROPE_TABLE_MAX_BYTES``, call the module. NOTE: H200, 2026-11-22, scratch A/B in one process: decode graph
+        replay 1B 0.8955 -> 0.8835 ms, 8B 4.121 -> 4.107 ms, same greedy tokens; the table is 32 / 64 MB there
+        (131,072 positions).
+        """
+        keys = {layer.rope_key for layer in self.layers}
+        table_bytes = len(keys) * max_len * 2 * self.head_dim * hidden.element_size()
+        if not self._rope_by_position or table_bytes > _ROPE_TABLE_MAX_BYTES:
+            return self._rotary_emb(hidden, positions)
+        if self._rope_tables is None:
+            embs = self._rotary_emb(hidden[:1], torch.arange(max_len, device=hidden.device))
+            self._rope_tables = {k: torch.stack(cs, dim=1) for k, cs in embs.items()}
+        rows = {k: table.index_select(0, positions) for k, table in self._rope_tables.items()}
+        return {k: (r[:, 0], r[:, 1]) for k, r in rows.items()}
 
     def __call__(self, runner, input_ids: torch.Tensor, positions: torch.Tensor,
                  logits_indices: torch.Tensor | None) -> torch.Tensor:
         """``input_ids, positions: (T,)`` -> logits ``(B, V)`` for rows ``logits_indices`` (all rows if None)."""
         spec, cache, meta = self.spec, runner.cache, runner.meta
         hidden = self.base.embed_tokens(input_ids)
-        rope = self._rotary(hidden, positions)
+        rope = self._rotary(hidden, positions, runner.max_model_len)
         t, d = input_ids.shape[0], self.head_dim
         residual = None
         for i, lay in enumerate(self.layers):

@@ -98,8 +98,10 @@ class ModelRunner:
         return self.cache
 
     def release(self) -> None:
-        """Free the KV pool and graphs (``unoptimize``)."""
+        """Free the KV pool and graphs (``unoptimize``); later graphs start a new memory pool (PyTorch does not
+        capture into a pool whose graphs are all gone)."""
         self._graphs.clear()
+        self._pool = None
         self.cache = None
         self.meta = None
 

@@ -6,6 +6,9 @@ For row ``b`` with position ``p = positions[b]`` (``-1``: a padding row of the g
     clamped[b]  = max(p, 0)                                             position the model computes with
     slots[b]    = block_tables[b, p // P] * P + p % P   if p >= 0 else -1   where the new K/V go
     seq_lens[b] = p + 1                                 if p >= 0 else 0    cached tokens including the new one
+
+NOTE: H200, 2026-11-22, ``benchmarks/ab_replay.py decode_slots``: decode graph replay 1B 0.8976 -> 0.8778 ms, 8B
+4.0461 -> 4.0224 ms against the PyTorch reference's kernels.
 """
 
 from __future__ import annotations

@@ -169,9 +169,9 @@ class FusedDecoder:
         Where every rope type depends on the position alone, they are rows of a ``(max_len, 2, R)`` table that HF's
         rotary module filled once (the same values, its products and cosines being per element): one gather a step
         instead of the module's eight or so small kernels. Other rope types (dynamic, longrope), and tables over
-        ``_ROPE_TABLE_MAX_BYTES``, call the module. NOTE: H200, 2026-11-22, scratch A/B in one process: decode graph
-        replay 1B 0.8955 -> 0.8835 ms, 8B 4.121 -> 4.107 ms, same greedy tokens; the table is 32 / 64 MB there
-        (131,072 positions).
+        ``_ROPE_TABLE_MAX_BYTES``, call the module. NOTE: H200, 2026-11-22, ``benchmarks/ab_replay.py rope_table``:
+        decode graph replay 1B 0.8917 -> 0.8781 ms, 8B 4.0418 -> 4.0204 ms, same greedy tokens; the table is 32 / 64
+        MB there (131,072 positions).
         """
         keys = {layer.rope_key for layer in self.layers}
         table_bytes = len(keys) * max_len * 2 * self.head_dim * hidden.element_size()

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llmplug  # noqa: E402
 import llmplug.engine.runner as runner_module  # noqa: E402
 from llmplug.bench.shapes import build  # noqa: E402
+from llmplug.bench.timing import replay_seconds  # noqa: E402
 from llmplug.ops.decode_slots import decode_slots, decode_slots_ref  # noqa: E402
 
 
@@ -26,15 +27,7 @@ def replay_ms(graph, buf) -> float:
     for _ in range(5):
         with torch.inference_mode():
             buf["positions"][:1] = 200
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(10):
-            graph.replay()
-        start.record()
-        for _ in range(200):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 200)
+        times.append(replay_seconds(graph, replays=200, warmup=10) * 1e3)
     return min(times)
 
 

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import llmplug  # noqa: E402
 from llmplug.bench.shapes import build, weight_bytes  # noqa: E402
+from llmplug.bench.timing import replay_seconds  # noqa: E402
 from llmplug.engine.runner import decode_metadata  # noqa: E402
 
 
@@ -46,15 +47,7 @@ def main(name: str, batch: int = 1, quantize: str | None = None, profile_host: b
     bucket = runner.graph_bucket(batch)  # plain greedy generate replays the greedy graph (decode + token choice)
     graph, buf = runner._graphs.get(("greedy", bucket)) or runner._graphs[("decode", bucket)]
     buf["positions"][:batch] = 200
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        graph.replay()
-    start.record()
-    for _ in range(100):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    replay = start.elapsed_time(end) / 100 * 1e-3
+    replay = replay_seconds(graph)
     wb = weight_bytes(model)
     print(f"{name} {quantize or 'bf16'} b{batch}: generate step {step * 1e3:.3f} ms, "
           f"graph replay {replay * 1e3:.3f} ms, weights {wb / 1e9:.2f} GB -> {wb / replay / 1e12:.2f} TB/s in replay")

@@ -53,6 +53,19 @@ def graph_time(fn: Callable[[torch.Tensor], object], copies: list, reps: int = 8
     return s.elapsed_time(e) * 1e-3 / (replays * reps * len(copies))
 
 
+def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int = 100, warmup: int = 5) -> float:
+    """Seconds one replay of a captured CUDA graph takes, back to back (CUDA events around ``replays`` replays)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(warmup):
+        graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays * 1e-3
+
+
 def ceilings(device: str) -> dict:
     """Measured read bandwidth (bytes/s) and bf16 matmul rate (FLOP/s) on ``device`` (CUDA only)."""
     if torch.device(device).type != "cuda":

@@ -35,7 +35,7 @@ def set_variant(change: str, runner, on: bool) -> None:
     if change == "decode_slots":
         runner_module.decode_slots = decode_slots if on else decode_slots_ref
     else:
-        runner.forward_fn._rope_by_position, runner.forward_fn._rope_tables = on, None
+        runner.rope_by_position, runner.forward_fn._rope_tables = on, None
 
 
 def main() -> None:

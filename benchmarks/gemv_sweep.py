@@ -13,11 +13,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmplug.bench.timing import graph_time  # noqa: E402
-from llmplug.ops.act_mul import act_and_mul  # noqa: E402
 from llmplug.ops.gemv import gemv  # noqa: E402
 
-SHAPES = {"8b.down+silu": (4096, 14336), "1b.down+silu": (2048, 8192),
-          "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
+SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
           "8b.lm_head": (128256, 4096), "1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate_up": (16384, 2048),
           "1b.down": (2048, 8192), "1b.lm_head": (128256, 2048)}
 CONFIGS = [(32, 512, 8, 3), (64, 256, 8, 3),
@@ -30,21 +28,15 @@ def main(out_path: str) -> None:
     res = {}
     for name, (n, k) in SHAPES.items():
         copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
-        act = "silu" if name.endswith("+silu") else ""
-        x = torch.randn(1, 2 * k if act else k, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         nbytes = n * k * 2
-        if act:  # the unfused pair it replaces: act_and_mul kernel, then cuBLAS
-            row = {"cublas": nbytes / graph_time(lambda w, x=x: F.linear(act_and_mul(x), w), copies) / 1e9}
-            ref = F.linear(act_and_mul(x).float(), copies[0].float())
-        else:
-            row = {"cublas": nbytes / graph_time(lambda w, x=x: F.linear(x, w), copies) / 1e9}
-            ref = F.linear(x.float(), copies[0].float())
+        row = {"cublas": nbytes / graph_time(lambda w, x=x: F.linear(x, w), copies) / 1e9}
+        ref = F.linear(x.float(), copies[0].float())
         for cfg in CONFIGS:
-            got = gemv(x, copies[0], activation=act, config=cfg).float()
+            got = gemv(x, copies[0], config=cfg).float()
             err = ((got - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (name, cfg, err)
-            row[str(cfg)] = nbytes / graph_time(lambda w, x=x, cfg=cfg, act=act: gemv(x, w, activation=act, config=cfg),
-                                                copies) / 1e9
+            row[str(cfg)] = nbytes / graph_time(lambda w, x=x, cfg=cfg: gemv(x, w, config=cfg), copies) / 1e9
         res[name] = row
         best = max((v, c) for c, v in row.items())
         print(f"{name:12s} cublas {row['cublas']:7.0f} GB/s | best {best[1]} {best[0]:7.0f} GB/s | "

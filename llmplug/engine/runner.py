@@ -26,6 +26,7 @@ _MAX_BLOCKS = 1 << 18
 MAX_EOS = 8  # end-of-sequence ids a greedy graph checks on the device
 GREEDY_RING = 16  # greedy graph steps between two reads of their tokens by the host
 MAX_SAMPLE_GRAPHS = 4  # sampling graphs kept (one per batch size and sampler settings)
+POSITION_ONLY_ROPE = {"default", "linear", "llama3", "yarn"}  # rope types whose cos/sin depend on the position alone
 
 
 def hf_forward(runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -67,11 +68,14 @@ class ModelRunner:
         self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._pool = None  # one CUDA-graph memory pool shared by every captured graph
         self._hf_configs = self._attention_configs()
-        # HF's dynamic / longrope rotary embeddings read position values on the host: no graph capture then.
+        # HF's dynamic / longrope rotary embeddings read position values on the host: no graph capture then. Where
+        # every rope type depends on the position alone, a forward may tabulate cos/sin once (rope_by_position).
         rope = getattr(text, "rope_parameters", None) or {}
-        kinds = [rope.get("rope_type")] + [v.get("rope_type") for v in rope.values() if isinstance(v, dict)]
+        kinds = {rope.get("rope_type")} | {v.get("rope_type") for v in rope.values() if isinstance(v, dict)}
+        kinds = {kind or "default" for kind in kinds}
+        self.rope_by_position = kinds <= POSITION_ONLY_ROPE
         self._graphs_allowed = (config.cuda_graphs and self.device.type == "cuda"
-                                and not any(k in ("dynamic", "longrope") for k in kinds))
+                                and not kinds & {"dynamic", "longrope"})
 
     # ---- KV pool -------------------------------------------------------------------------------------------
     @property
@@ -230,7 +234,8 @@ class ModelRunner:
         if full in self._graphs:
             self._graphs[full] = self._graphs.pop(full)  # most recently used last
             return self._graphs[full]
-        for old in [k for k in self._graphs if k[0] == "sample"][:-MAX_SAMPLE_GRAPHS + 1 or None]:
+        samples = [k for k in self._graphs if k[0] == "sample"]
+        for old in samples[:max(0, len(samples) + 1 - MAX_SAMPLE_GRAPHS)]:  # the least recently used
             del self._graphs[old]
         state = torch.cuda.get_rng_state(self.device)
         try:

@@ -131,8 +131,8 @@ class SequenceBatch:
     def decode_in_graph(self, graph_buf, tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tensor, pad: int,
                         steps: int) -> tuple[torch.Tensor, int]:
         """Up to ``steps`` decode steps, each one replay of a token-choosing graph of the runner (greedy or sampling:
-        the token is picked and fed back on the device); the host only adds pages and, every ``GREEDY_RING`` steps,
-        collects the tokens.
+        the token is picked and fed back on the device); every ``GREEDY_RING`` steps the host adds the pages the
+        next ring needs and collects the tokens, nothing in between.
 
         Args:
             graph_buf: ``(graph, buffers)`` from :meth:`ModelRunner.greedy_graph` or :meth:`ModelRunner.sample_graph`
@@ -165,10 +165,10 @@ class SequenceBatch:
         chunks, done_host, done_event, ran = [], None, None, 0
         while ran < steps:
             n = min(GREEDY_RING, steps - ran)
+            self.lengths = [length + n for length in self.lengths]
+            if self._grow(range(rows), self.lengths):  # pages for the whole ring, before its first replay
+                buf["block_tables"][:rows, :width].copy_(self.block_table_dev)
             for _ in range(n):
-                self.lengths = [length + 1 for length in self.lengths]
-                if self._grow(range(rows), self.lengths):
-                    buf["block_tables"][:rows, :width].copy_(self.block_table_dev)
                 graph.replay()
             ran += n
             chunks.append(buf["ring"][:rows, :n].clone())

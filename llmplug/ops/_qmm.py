@@ -1,5 +1,5 @@
-"""Pieces shared by the quantized matmul ops (``w8_linear``, ``w4_linear``): cheap integer decoding and split-K
-(a partial-sum workspace and its reduction kernel).
+"""Pieces shared by the matmul ops (``w8_linear``, ``w4_linear``, and the GEMV rows and epilogue of ``gemv``): cheap
+integer decoding, GEMV rows and epilogue (plain or gated), split-K (a partial-sum workspace and its reduction kernel).
 
 Integer decoding: ``int -> float`` conversion instructions run at a quarter of the FMA rate on Hopper, which caps
 a GEMV reading one int8 per multiply well below the memory bandwidth. Instead a small unsigned integer ``u < 2^23``
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import INTERPRET, maybe_wrap, pdl_options, round_rne, tl, triton, wait_inputs
+from .act_mul import store_gated
 
 MAGIC = 8388608.0  # 2^23: float(bits(2^23) | u) == 2^23 + u for u < 2^23
 
@@ -55,13 +56,32 @@ if triton is not None:
         return first_m + (pid % (GROUP_M * tiles_n)) % size_m, (pid % (GROUP_M * tiles_n)) // size_m
 
     @triton.jit
-    def store_rows(out_ptr, y, rows, row_mask, b_ptr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr):
-        """GEMV epilogue: ``out[rows] = y (+ bias[rows])`` rounded to the output dtype."""
+    def gemv_rows(pid, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+        """Weight rows GEMV program ``pid`` computes: ``BLOCK_N`` consecutive rows; with ``GATED`` (a fused gate/up
+        weight, gate rows first) ``BLOCK_N / 2`` gate rows from ``pid * BLOCK_N / 2`` and their up rows ``N / 2``
+        further. Returns ``(rows, mask)``."""
+        if GATED != "":
+            HALF: tl.constexpr = BLOCK_N // 2
+            r = tl.arange(0, BLOCK_N)
+            inner = pid * HALF + r % HALF
+            return tl.where(r < HALF, inner, inner + N // 2), inner < N // 2
+        else:
+            rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            return rows, rows < N
+
+    @triton.jit
+    def store_rows(out_ptr, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                   BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
+        """GEMV epilogue over :func:`gemv_rows`' rows: ``out[rows] = y (+ bias[rows])`` rounded to the output dtype,
+        or with ``GATED`` ``act(gate) * up`` into ``out[pid * BLOCK_N / 2 ..]`` (:func:`store_gated`)."""
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        if INTERPRETED:
-            y = round_rne(y, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+        if GATED != "":
+            store_gated(out_ptr, y, pid * (BLOCK_N // 2), N // 2, BLOCK_N, GATED, INTERPRETED)
+        else:
+            if INTERPRETED:
+                y = round_rne(y, out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
     @triton.jit
     def store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, b_ptr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,

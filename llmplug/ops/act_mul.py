@@ -62,16 +62,6 @@ if triton is not None:
         tl.store(out_ptr + cols, out.to(dt), mask=cols < n_out)
 
     @triton.jit
-    def gated_rows(pid, N, BLOCK_N: tl.constexpr):
-        """Rows of a fused ``(N, K)`` gate/up weight for program ``pid`` of a gated matrix-vector product:
-        ``BLOCK_N / 2`` gate rows from ``pid * BLOCK_N / 2`` and the matching up rows ``N / 2`` further; returns
-        ``(rows, mask, first output column)``."""
-        HALF: tl.constexpr = BLOCK_N // 2
-        r = tl.arange(0, BLOCK_N)
-        inner = pid * HALF + r % HALF
-        return tl.where(r < HALF, inner, inner + N // 2), inner < N // 2, pid * HALF
-
-    @triton.jit
     def _act_and_mul_kernel(gu_ptr, out_ptr, N, stride_gu, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr,
                             PDL: tl.constexpr):
         wait_inputs(PDL)

@@ -1,7 +1,7 @@
 """Matrix-vector product for one-token decode: ``y = x @ W^T (+ b)`` with ``x: (1, K)``, ``W: (N, K)``.
 
-Optionally the MLP's gated activation is applied while ``x`` is loaded (``x = act(gu[:K]) * gu[K:]`` from the fused
-gate/up output ``gu: (1, 2K)``), which saves the activation kernel and its round trip for the down projection.
+Over a fused gate/up weight the MLP's gated activation can be applied in the epilogue (``gated``): a program owns
+gate rows and their up rows, which saves the activation kernel and its round trip.
 
 At batch 1 a decode step is a stream of weight reads; cuBLAS picks small-N split-K kernels for the narrower
 projections (q/k/v, o) that reach ~3.1 TB/s of an H200's ~4.25. This kernel gives every program a few whole rows
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._qmm import gemv_rows, store_rows
 from ._triton import (
     INTERPRET,
     call_op,
@@ -20,23 +21,17 @@ from ._triton import (
     maybe_wrap,
     next_pow2,
     pdl_options,
-    round_rne,
     tl,
     triton,
     use_triton,
     wait_inputs,
 )
-from .act_mul import act_and_mul_ref, gated_rows, store_gated
-
-ACTIVATIONS = ("", "silu", "gelu_tanh")
+from .act_mul import ACTIVATIONS, act_and_mul_ref
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-             activation: str = "", gated: str = "") -> torch.Tensor:
-    """Reference. ``x: (1, K)`` (or ``(1, 2K)`` gate/up with ``activation``), ``weight: (N, K)`` -> ``(1, N)``, or
-    ``(1, N / 2)`` ``act(gate) * up`` with ``gated``."""
-    if activation:
-        x = act_and_mul_ref(x, activation)
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: str = "") -> torch.Tensor:
+    """Reference. ``x: (1, K)``, ``weight: (N, K)`` -> ``(1, N)``, or ``(1, N / 2)`` ``act(gate) * up`` with
+    ``gated``."""
     y = F.linear(x, weight, bias)
     return act_and_mul_ref(y, gated) if gated else y
 
@@ -44,64 +39,32 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 if triton is not None:
 
     @triton.jit
-    def _x_tile(x_ptr, k, cols, K, ACT: tl.constexpr, INTERPRETED: tl.constexpr):
-        """``x[k + cols]`` in fp32, or ``act(gate) * up`` there, rounded as the unfused ``act_and_mul`` output is."""
-        k_mask = (k + cols) < K
-        xk = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32)
-        if ACT != "":
-            up = tl.load(x_ptr + K + k + cols, mask=k_mask, other=0.0).to(tl.float32)
-            if ACT == "silu":
-                xk = xk / (1.0 + tl.exp(-xk))
-            else:  # gelu_tanh
-                inner = 0.7978845608028654 * (xk + 0.044715 * xk * xk * xk)
-                xk = 0.5 * xk * (2.0 / (1.0 + tl.exp(-2.0 * inner)))
-            if INTERPRETED:
-                xk = round_rne(xk * up, x_ptr.dtype.element_ty)
-            else:
-                xk = (xk * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-        return xk
-
-    @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                     GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-                     PDL: tl.constexpr):
-        if GATED != "":
-            rows, row_mask, start = gated_rows(tl.program_id(0), N, BLOCK_N)
-        else:
-            rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-            row_mask = rows < N
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+        pid = tl.program_id(0)
+        rows, row_mask = gemv_rows(pid, N, BLOCK_N, GATED)
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
         # the first weight tile is read before waiting for x (under PDL, while the previous kernel finishes)
         w = tl.load(w_ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
         wait_inputs(PDL)
-        acc = w.to(tl.float32) * _x_tile(x_ptr, 0, cols, K, ACT, INTERPRETED)[None, :]
+        acc = w.to(tl.float32) * tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
         for k in range(BLOCK_K, K, BLOCK_K):
-            w = tl.load(w_ptrs + k, mask=row_mask[:, None] & ((k + cols) < K)[None, :], other=0.0)
-            acc += w.to(tl.float32) * _x_tile(x_ptr, k, cols, K, ACT, INTERPRETED)[None, :]
-        y = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        if GATED != "":
-            store_gated(out_ptr, y, start, N // 2, BLOCK_N, GATED, INTERPRETED)
-        else:
-            if INTERPRETED:  # the interpreter's casts truncate; round as the GPU does
-                y = round_rne(y, out_ptr.dtype.element_ty)
-            tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+            k_mask = (k + cols) < K
+            w = tl.load(w_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * tl.load(x_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        store_rows(out_ptr, tl.sum(acc, axis=1), pid, rows, row_mask, N, b_ptr, HAS_BIAS, GATED, BLOCK_N,
+                   INTERPRETED)
 
 
-def choose_config(n: int, k: int, activation: str = "") -> tuple[int, int, int, int]:
+def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``W: (N, K)``.
 
-    NOTE: H200, 2026-11-22, benchmarks/gemv_sweep.py, GB/s with cuBLAS in brackets. Fused activation needs more
-    rows per program (each program re-reads and re-activates the whole gate/up row): 8B down+silu (8, 512, 4, 4)
-    3691 [act kernel + cuBLAS 3639] but (2, 1024, 4, 4) only 2829; 1B down+silu (8, 1024, 8, 3) 2712 [2303].
-    Wide outputs: 8B gate_up (16, 256, 4, 4) 4329 [3921], lm_head 4563 [4422]. Wider-than-deep q/k/v: 8B
-    (8, 512, 4, 4) 3576 [3108], 1B (8, 1024, 8, 3) 2678 [1919]. Square and deep (o, down): (2, 1024, 4, 4),
-    8B o 3181 [2707], down 3966 [3822], 1B down 3266 [2654].
+    NOTE: H200, 2026-11-22, benchmarks/gemv_sweep.py, GB/s with cuBLAS in brackets. Wide outputs: 8B gate_up (16,
+    256, 4, 4) 4329 [3921], lm_head 4563 [4422]. Wider-than-deep q/k/v: 8B (8, 512, 4, 4) 3576 [3108], 1B (8, 1024,
+    8, 3) 2678 [1919]. Square and deep (o, down): (2, 1024, 4, 4), 8B o 3181 [2707], down 3966 [3822], 1B down 3266
+    [2654].
     """
-    if activation:
-        return (8, 1024, 8, 3) if k <= 8192 else (8, 512, 4, 4)
     if n >= 16384:
         return (16, 256, 4, 4)
     if k < n:
@@ -110,37 +73,34 @@ def choose_config(n: int, k: int, activation: str = "") -> tuple[int, int, int, 
 
 
 @llmplug_op("gemv")
-def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, gated: str,
-             block_n: int, block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: str, block_n: int,
+             block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
     if not use_triton(x):
-        return gemv_ref(x, weight, bias, activation, gated)
+        return gemv_ref(x, weight, bias, gated)
     assert x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1, "gemv needs x (1, K) and W (N, K)"
     assert not gated or (weight.shape[0] % 2 == 0 and block_n % 2 == 0), "gated gemv layout"
     n, k = weight.shape
     out = x.new_empty((1, n // 2 if gated else n))
-    block_k = min(block_k, next_pow2(k))
     maybe_wrap(_gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        ACT=activation, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETED=INTERPRET, num_warps=num_warps,
-        num_stages=num_stages, **pdl_options(x))
+        GATED=gated, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)), INTERPRETED=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
     return out
 
 
 @_gemv_op.register_fake
-def _(x, weight, bias, activation, gated, block_n, block_k, num_warps, num_stages):
+def _(x, weight, bias, gated, block_n, block_k, num_warps, num_stages):
     return x.new_empty((x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0]))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "",
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None, gated: str = "") -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for a single row, optionally ``act(gate) * up`` applied to ``x`` on the fly, or to
-    the output of a fused gate/up ``weight`` (``gated``).
+    """``x @ weight.T (+ bias)`` for a single row, optionally gated: ``act(gate) * up`` of a fused gate/up ``weight``.
 
     Args:
-        x: ``(1, K)`` contiguous; with ``activation``, ``(1, 2K)`` = ``cat([gate, up])``.
+        x: ``(1, K)`` contiguous.
         weight: ``(N, K)`` with unit stride along K (row views of a fused weight are fine).
         bias: optional ``(N,)``.
-        activation: ``""`` (none), ``"silu"`` or ``"gelu_tanh"``.
         config: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``; default :func:`choose_config`.
         gated: ``""`` (none), ``"silu"`` or ``"gelu_tanh"``: ``weight`` holds gate rows then up rows and the result is
             ``act(y[:, :N/2]) * y[:, N/2:]``, bit for bit :func:`~llmplug.ops.act_mul.act_and_mul` of the product.
@@ -148,17 +108,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     Returns:
         ``(1, N)`` in ``x.dtype``; ``(1, N / 2)`` when gated.
     """
-    k = weight.shape[1]
-    if activation not in ACTIVATIONS or gated not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} and gated={gated!r} must be among {ACTIVATIONS}")
-    if gated and weight.shape[0] % 2:
-        raise ValueError(f"gated needs an even number of rows (gate then up), got {weight.shape[0]}")
-    want = 2 * k if activation else k
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != want:
-        raise ValueError(f"gemv needs x of shape (1, {want}), got {tuple(x.shape)}")
+    n, k = weight.shape
+    if gated and (gated not in ACTIVATIONS or n % 2):
+        raise ValueError(f"gated={gated!r} needs one of {ACTIVATIONS} and an even number of rows (gate then up), "
+                         f"got {n}")
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k:
+        raise ValueError(f"gemv needs x of shape (1, {k}), got {tuple(x.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x.dtype={x.dtype} does not match weight.dtype={weight.dtype}")
-    config = config or choose_config(*weight.shape, activation)
+    config = config or choose_config(n, k)
     if gated and config[0] % 2:
         config = (2 * config[0], *config[1:])
-    return call_op(_gemv_op, x.contiguous(), weight, bias, activation, gated, *config)
+    return call_op(_gemv_op, x.contiguous(), weight, bias, gated, *config)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ._qmm import (
     dense_path,
     field_f32,
+    gemv_rows,
     grouped_tile,
     smem_bytes,
     split_k_plan,
@@ -76,8 +77,8 @@ if triton is not None:
         HALF: tl.constexpr = GROUP // 2
         num_groups = K // GROUP
         m = tl.program_id(0)
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
+        pid = tl.program_id(1)
+        rows, row_mask = gemv_rows(pid, N, BLOCK_N, "")
         gi = tl.arange(0, GPS)
         t = tl.arange(0, WORDS)
         q_ptrs = q_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + (gi * WORDS)[None, :, None] + t[None, None, :]
@@ -115,7 +116,7 @@ if triton is not None:
             acc += s.to(tl.float32)[:, :, None] * (part - z128[:, :, None] * x_sum[None])
             w, s, z = w_next, s_next, z_next
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
-        store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
+        store_rows(out_ptr + m * stride_om, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS, "", BLOCK_N, INTERPRETED)
 
     def _dequant_asm(magic: str, suffix: str) -> tl.constexpr:
         """PTX for :func:`dequant_pairs` on four bytes: ``$4`` the bytes, ``$5, $6`` the zero points (plus the

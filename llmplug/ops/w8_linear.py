@@ -15,7 +15,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._qmm import dense_path, field_f32, grouped_tile, split_k_plan, split_k_reduce, store_rows, store_tile, w8_to_f32
+from ._qmm import (
+    dense_path,
+    field_f32,
+    gemv_rows,
+    grouped_tile,
+    split_k_plan,
+    split_k_reduce,
+    store_rows,
+    store_tile,
+    w8_to_f32,
+)
 from ._triton import (
     INTERPRET,
     call_op,
@@ -29,7 +39,7 @@ from ._triton import (
     use_triton,
     wait_inputs,
 )
-from .act_mul import ACTIVATIONS, act_and_mul, gated_rows, store_gated
+from .act_mul import ACTIVATIONS, act_and_mul
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -51,11 +61,8 @@ if triton is not None:
                         INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         wait_inputs(PDL)
         m = tl.program_id(0)  # tokens vary fastest, so programs sharing weight rows run together (L2 reuse)
-        if GATED != "":
-            rows, row_mask, start = gated_rows(tl.program_id(1), N, BLOCK_N)
-        else:
-            rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            row_mask = rows < N
+        pid = tl.program_id(1)
+        rows, row_mask = gemv_rows(pid, N, BLOCK_N, GATED)
         cols = tl.arange(0, BLOCK_K)
         q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qn + cols[None, :]
         x_row = x_ptr + m * stride_xm
@@ -67,10 +74,7 @@ if triton is not None:
             acc += w8_to_f32(w) * xk[None, :]
             q_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
-        if GATED != "":
-            store_gated(out_ptr + m * stride_om, y, start, N // 2, BLOCK_N, GATED, INTERPRETED)
-        else:
-            store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
+        store_rows(out_ptr + m * stride_om, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS, GATED, BLOCK_N, INTERPRETED)
 
     SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: flips each byte's sign bit, q -> q + 128
     BYTE_MAGIC = 0x47000000  # float32 bits of 2^15: a byte u placed at bits 8-15 reads 32768 + u
@@ -102,13 +106,10 @@ if triton is not None:
         # byte gives u = q + 128 in [0, 255]; byte_f32 turns each into offset + u with one instruction, and each
         # word's four products chain onto -(offset + 128) * (its four x summed): y = sum(q * x) * scale, about 4 SASS
         # instructions a weight byte against 7 with a shift and a mask a byte (sm_90 build; the GEMV stays bound by
-        # loads in flight, see BENCHMARKS.md). EVEN: N and KW divide by the tile. GATED: see store_gated.
+        # loads in flight, see BENCHMARKS.md). EVEN: N and KW divide by the tile. GATED: see gemv_rows.
         m = tl.program_id(0)
-        if GATED != "":
-            rows, row_mask, start = gated_rows(tl.program_id(1), N, BLOCK_N)
-        else:
-            rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            row_mask = rows < N
+        pid = tl.program_id(1)
+        rows, row_mask = gemv_rows(pid, N, BLOCK_N, GATED)
         t = tl.arange(0, BLOCK_W)
         q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qn + t[None, :]
         x_ptrs = x_ptr + m * stride_xm + 4 * t
@@ -138,10 +139,7 @@ if triton is not None:
             part = tl.fma(byte_f32(u, magic, 2, ASM, PRECISE), x2[None, :], part)
             acc += tl.fma(byte_f32(u, magic, 3, ASM, PRECISE), x3[None, :], part)
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
-        if GATED != "":
-            store_gated(out_ptr + m * stride_om, y, start, N // 2, BLOCK_N, GATED, INTERPRETED)
-        else:
-            store_rows(out_ptr + m * stride_om, y, rows, row_mask, b_ptr, HAS_BIAS, INTERPRETED)
+        store_rows(out_ptr + m * stride_om, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS, GATED, BLOCK_N, INTERPRETED)
 
     @triton.jit
     def _w8_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
@@ -236,9 +234,9 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     n, k = qweight.shape
     b = bias if bias is not None else scales
     if block_m == 1:  # the GEMVs apply the gate in their epilogue: a program's rows are gate rows and their up rows
-        assert not gated or (bias is None and n % 2 == 0 and block_n % 2 == 0), "gated GEMV layout"
+        assert not gated or (n % 2 == 0 and block_n % 2 == 0), "gated GEMV layout"
         out = x.new_empty((m, n // 2 if gated else n))
-        grid = (m, triton.cdiv(n // 2 if gated else n, block_n // 2 if gated else block_n))
+        grid = (m, triton.cdiv(n, block_n))
         common = dict(HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, INTERPRETED=INTERPRET,
                       num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
         if qweight.dtype == torch.int8 and k % 4 == 0:
@@ -311,8 +309,9 @@ def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
     Returns:
         ``(M, N)`` in ``x.dtype``, ``(M, N / 2)`` when gated.
     """
-    if gated and (gated not in ACTIVATIONS or bias is not None or qweight.shape[0] % 2):
-        raise ValueError(f"gated={gated!r} needs one of {ACTIVATIONS}, no bias and an even number of rows")
+    if gated and (gated not in ACTIVATIONS or qweight.shape[0] % 2):
+        raise ValueError(f"gated={gated!r} needs one of {ACTIVATIONS} and an even number of rows (gate then up), "
+                         f"got {qweight.shape[0]}")
     n, k = qweight.shape
     if qweight.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"qweight.dtype={qweight.dtype} is not supported; choose one of {WEIGHT_DTYPES}")

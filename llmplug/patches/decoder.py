@@ -41,35 +41,32 @@ class FamilySpec:
 
 
 class Dense:
-    """A plain weight (and bias) as the fused forward calls it: ``dense.matmul(x, activation="") -> (M, N)``.
+    """A plain weight (and bias) as the fused forward calls it: ``dense.matmul(x) -> (M, N)``.
 
     One token on CUDA (batch-1 decode) goes through llmplug's GEMV, which reads the weight at a higher rate than
-    cuBLAS's small-N kernels and fuses the activation; everything else through ``F.linear``.
+    cuBLAS's small-N kernels and applies a gate/up activation in its epilogue; everything else through ``F.linear``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
 
-    def matmul(self, x: torch.Tensor, activation: str = "") -> torch.Tensor:
-        """``x: (M, K)`` (or ``(M, 2K)`` gate/up with ``activation``, applied as ``act(gate) * up``) -> ``(M, N)``."""
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: (M, K)`` -> ``(M, N)``."""
         if x.shape[0] == 1 and x.is_cuda:
-            return gemv(x, self.weight, self.bias, activation)
-        if activation:
-            x = act_and_mul(x, activation)
+            return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def gated_matmul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """``act(x @ W_gate^T) * (x @ W_up^T)`` for a fused gate/up weight (gate rows first): ``(M, K)`` ->
         ``(M, N / 2)``; one token on CUDA in the GEMV's epilogue."""
-        if x.shape[0] == 1 and x.is_cuda and self.bias is None:
-            return gemv(x, self.weight, gated=activation)
-        return act_and_mul(self.matmul(x), activation)
+        if x.shape[0] == 1 and x.is_cuda:
+            return gemv(x, self.weight, self.bias, gated=activation)
+        return act_and_mul(F.linear(x, self.weight, self.bias), activation)
 
 
-_POSITION_ONLY_ROPE = {"default", "linear", "llama3", "yarn"}  # rope types whose cos/sin depend on the position alone
 _ROPE_TABLE_MAX_BYTES = 128 << 20
 
-Linear = Dense | QuantLinear  # both offer matmul(x, activation="") and gated_matmul(x, activation)
+Linear = Dense | QuantLinear  # both offer matmul(x) and gated_matmul(x, activation)
 
 
 def _linear_of(module: torch.nn.Module) -> Linear:
@@ -146,10 +143,8 @@ class FusedDecoder:
                 rope_key=getattr(attn, "layer_type", None) if spec.rope_per_layer_type else None, module=layer,
             ))
         self.head_dim = self.base.layers[0].self_attn.head_dim
-        rope = getattr(text, "rope_parameters", None) or {}
-        kinds = {rope.get("rope_type")} | {v.get("rope_type") for v in rope.values() if isinstance(v, dict)}
-        self._rope_by_position = {kind or "default" for kind in kinds} <= _POSITION_ONLY_ROPE
-        self._rope_tables: dict[str | None, torch.Tensor] | None = None
+        self._rope_keys = {layer.rope_key for layer in self.layers}
+        self._rope_tables: dict[str | None, torch.Tensor] | None = None  # built on first use; {}: not tabulated
 
     def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         return rms_norm(x, norm.weight, _eps(norm), self.spec.norm_offset)
@@ -159,27 +154,29 @@ class FusedDecoder:
 
     def _rotary_emb(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple]:
         """HF's rotary module on ``positions (T,)``: ``{rope key: (cos (T, R), sin (T, R))}`` in ``hidden.dtype``."""
-        keys = {layer.rope_key for layer in self.layers}
-        embs = {k: self.base.rotary_emb(hidden, positions[None], *([k] if k is not None else [])) for k in keys}
+        embs = {k: self.base.rotary_emb(hidden, positions[None], *([k] if k is not None else []))
+                for k in self._rope_keys}
         return {k: (cos[0], sin[0]) for k, (cos, sin) in embs.items()}
 
-    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor, max_len: int) -> dict[str | None, tuple]:
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor, runner) -> dict[str | None, tuple]:
         """cos and sin ``(T, R)`` per rope key for ``positions (T,)``.
 
-        Where every rope type depends on the position alone, they are rows of a ``(max_len, 2, R)`` table that HF's
-        rotary module filled once (the same values, its products and cosines being per element): one gather a step
-        instead of the module's eight or so small kernels. Other rope types (dynamic, longrope), and tables over
-        ``_ROPE_TABLE_MAX_BYTES``, call the module. NOTE: H200, 2026-11-22, ``benchmarks/ab_replay.py rope_table``:
-        decode graph replay 1B 0.8917 -> 0.8781 ms, 8B 4.0418 -> 4.0204 ms, same greedy tokens; the table is 32 / 64
-        MB there (131,072 positions).
+        Where every rope type depends on the position alone (``runner.rope_by_position``), they are rows of a
+        ``(max_model_len, 2, R)`` table that HF's rotary module fills on first use (the same values, its products and
+        cosines being per element): one gather a step instead of the module's eight or so small kernels. Other rope
+        types (dynamic, longrope), and tables over ``_ROPE_TABLE_MAX_BYTES``, call the module. NOTE: H200,
+        2026-11-22, ``benchmarks/ab_replay.py rope_table``: decode graph replay 1B 0.8917 -> 0.8781 ms, 8B 4.0418 ->
+        4.0204 ms, same greedy tokens; the table is 32 / 64 MB there (131,072 positions).
         """
-        keys = {layer.rope_key for layer in self.layers}
-        table_bytes = len(keys) * max_len * 2 * self.head_dim * hidden.element_size()
-        if not self._rope_by_position or table_bytes > _ROPE_TABLE_MAX_BYTES:
-            return self._rotary_emb(hidden, positions)
         if self._rope_tables is None:
-            embs = self._rotary_emb(hidden[:1], torch.arange(max_len, device=hidden.device))
-            self._rope_tables = {k: torch.stack(cs, dim=1) for k, cs in embs.items()}
+            length = runner.max_model_len
+            size = len(self._rope_keys) * length * 2 * self.head_dim * hidden.element_size()
+            self._rope_tables = {}
+            if runner.rope_by_position and size <= _ROPE_TABLE_MAX_BYTES:
+                embs = self._rotary_emb(hidden[:1], torch.arange(length, device=hidden.device))
+                self._rope_tables = {k: torch.stack(cs, dim=1) for k, cs in embs.items()}
+        if not self._rope_tables:
+            return self._rotary_emb(hidden, positions)
         rows = {k: table.index_select(0, positions) for k, table in self._rope_tables.items()}
         return {k: (r[:, 0], r[:, 1]) for k, r in rows.items()}
 
@@ -188,7 +185,7 @@ class FusedDecoder:
         """``input_ids, positions: (T,)`` -> logits ``(B, V)`` for rows ``logits_indices`` (all rows if None)."""
         spec, cache, meta = self.spec, runner.cache, runner.meta
         hidden = self.base.embed_tokens(input_ids)
-        rope = self._rotary(hidden, positions, runner.max_model_len)
+        rope = self._rotary(hidden, positions, runner)
         t, d = input_ids.shape[0], self.head_dim
         residual = None
         for i, lay in enumerate(self.layers):

@@ -67,42 +67,32 @@ class QuantLinear(nn.Module):
             q.bias.data.copy_(linear.bias.detach())
         return q
 
-    def matmul(self, x: torch.Tensor, activation: str = "") -> torch.Tensor:
-        """``x: (M, K)`` (or ``(M, 2K)`` gate/up with ``activation``, applied as ``act(gate) * up``) -> ``(M, N)``.
-
-        The kernel is chosen by ``M``. NOTE: the activation stays a kernel of its own: fused into the one-token
-        GEMVs' input it cost more than it saved (H100, 8B down projection, int8 30.8 us fused against 23.3 + ~3 us);
-        :meth:`gated_matmul` applies it to the gate/up product's output instead.
-        """
-        if activation:
-            x = act_and_mul(x, activation)
-        return self._product(x)
-
-    def gated_matmul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
-        """``act(x @ W_gate^T) * (x @ W_up^T)`` for a fused gate/up module (gate rows first): ``x: (M, K)`` ->
-        ``(M, N / 2)``. int8 / fp8 one-token GEMVs apply it in their epilogue (no activation kernel)."""
-        if self.method == "int4" or self.bias is not None or (self.method == "fp8" and self._fp8_gemm(x)):
-            return act_and_mul(self._product(x), activation)
-        return w8_linear(self._permuted(x), self.qweight, self.scales, gated=activation)
-
-    def _permuted(self, x: torch.Tensor) -> torch.Tensor:
-        return x.index_select(1, self.perm) if self.perm is not None else x
-
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._permuted(x)
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: (M, K)`` -> ``(M, N)``; the kernel is chosen by ``M``."""
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
         if self.method == "int4":
             return w4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
-        if self.method == "fp8" and self._fp8_gemm(x):
+        if self._fp8_gemm(x):
             return fp8_linear(x, self.qweight, self.scales, self.bias)
         return w8_linear(x, self.qweight, self.scales, self.bias)
 
-    def _fp8_gemm(self, x: torch.Tensor) -> bool:
-        """Whether fp8 runs on FP8 tensor cores for ``x``."""
-        return x.shape[0] >= FP8_GEMM_MIN_TOKENS and self._fp8_gemm_ok(x)
+    def gated_matmul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """``act(x @ W_gate^T) * (x @ W_up^T)`` for a fused gate/up module (gate rows first): ``x: (M, K)`` ->
+        ``(M, N / 2)``. int8 / fp8 weight-only kernels apply it in the one-token GEMV's epilogue. NOTE: applied to
+        the down projection's input instead, it cost more than it saved (H100, 8B down projection, int8 30.8 us
+        fused against 23.3 + ~3 us): every program re-read and re-activated the whole gate/up row."""
+        if self.method == "int4" or self._fp8_gemm(x):
+            return act_and_mul(self.matmul(x), activation)
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        return w8_linear(x, self.qweight, self.scales, self.bias, gated=activation)
 
-    def _fp8_gemm_ok(self, x: torch.Tensor) -> bool:
+    def _fp8_gemm(self, x: torch.Tensor) -> bool:
+        """Whether this fp8 module runs ``x`` on FP8 tensor cores (enough rows, bf16, 16-aligned, supported GPU)."""
         n, k = self.qweight.shape
-        return x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and scaled_mm_supported(x.device)
+        return (self.method == "fp8" and x.shape[0] >= FP8_GEMM_MIN_TOKENS and x.dtype == torch.bfloat16
+                and n % 16 == 0 and k % 16 == 0 and scaled_mm_supported(x.device))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``(N, K)`` weight this module multiplies its input by (``perm`` undone), in ``dtype``."""

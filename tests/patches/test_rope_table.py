@@ -10,11 +10,12 @@ def test_rope_table_rows_equal_the_rotary_module(family):
     """cos/sin gathered from the once-filled table equal HF's rotary module on the same positions, bit for bit."""
     model = make_model(family)
     llmplug.optimize(model)
-    decoder = model._llmplug_runner.forward_fn
+    runner = model._llmplug_runner
+    decoder = runner.forward_fn
     hidden = torch.zeros(4, model.config.hidden_size)
     positions = torch.tensor([0, 5, 255, 17])
-    gathered = decoder._rotary(hidden, positions, 256)
-    assert decoder._rope_tables is not None
+    gathered = decoder._rotary(hidden, positions, runner)
+    assert runner.max_model_len == 256 and decoder._rope_tables  # the table path was taken
     direct = decoder._rotary_emb(hidden, positions)
     assert gathered.keys() == direct.keys()
     for key, (cos, sin) in direct.items():
@@ -29,6 +30,7 @@ def test_position_dependent_rope_types_keep_the_module():
     config = tf.LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     llmplug.optimize(model)
-    decoder = model._llmplug_runner.forward_fn
-    decoder._rotary(torch.zeros(2, 64), torch.tensor([3, 4]), 256)
-    assert decoder._rope_tables is None
+    runner = model._llmplug_runner
+    cos, sin = runner.forward_fn._rotary(torch.zeros(2, 64), torch.tensor([3, 4]), runner)[None]
+    assert not runner.rope_by_position and runner.forward_fn._rope_tables == {}  # the module, every step
+    assert cos.shape == sin.shape == (2, 64 // 4)

@@ -92,13 +92,16 @@ def test_w8_gated(n, k, method, activation, m):
     """gated=act: act(gate) * up of a fused gate/up product; one token in the GEMV's epilogue, else after."""
     w, x = torch.randn(n, k), torch.randn(m, k, dtype=torch.bfloat16)
     q, s = (quantize_int8 if method == "int8" else quantize_fp8)(w)
-    out = w8_linear(x, q, s, gated=activation)
-    assert out.shape == (m, n // 2) and out.dtype == x.dtype
-    want = act_and_mul_ref(w8_linear_ref(x, q, s), activation)
-    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
-    assert sqnr_db(want, out) >= KERNEL_VS_REF_SQNR_DB
+    for bias in (None, torch.randn(n, dtype=x.dtype)):  # the bias is added before the gate
+        out = w8_linear(x, q, s, bias, gated=activation)
+        assert out.shape == (m, n // 2) and out.dtype == x.dtype
+        want = act_and_mul_ref(w8_linear_ref(x, q, s, bias), activation)
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+        assert sqnr_db(want, out) >= KERNEL_VS_REF_SQNR_DB
     with pytest.raises(ValueError, match="gated"):
-        w8_linear(x, q, s, torch.zeros(n), gated=activation)
+        w8_linear(x, q, s, gated="relu")
+    with pytest.raises(ValueError, match="even"):
+        w8_linear(x, q[1:], s[1:], gated=activation)
 
 
 def test_weight_sqnr_on_llama_like_shapes():

@@ -35,6 +35,38 @@ def test_decode_attention_cuda(d, h, hkv, window, softcap, dtype):
     assert_close_matmul_like(out, ref64, same)
 
 
+@pytest.mark.parametrize("d,hkv,ctx", [(64, 8, 384), (128, 8, 8192), (128, 2, 3000)])
+def test_last_split_combine_cuda(d, hkv, ctx):
+    """The in-kernel combine (last split of a kv head, found by an atomic counter) against the combine kernel, over
+    many launches at batch 1 and 2 with many splits: a memory-ordering race would show as a mismatch."""
+    for b in (1, 2):
+        kc, vc, bt = _paged(b, ctx, hkv, d, 16, torch.bfloat16)
+        lens = torch.tensor([ctx, ctx // 3][:b], dtype=torch.int32, device="cuda")
+        q = torch.randn(b, 4 * hkv, d, dtype=torch.bfloat16, device="cuda")
+        counters = torch.zeros(64, dtype=torch.int32, device="cuda")
+        separate = decode_attention(q, kc, vc, bt, lens, d**-0.5)
+        outs = [decode_attention(q, kc, vc, bt, lens, d**-0.5, split_counters=counters) for _ in range(300)]
+        assert all(torch.equal(o, outs[0]) for o in outs)  # the partials are added up in another order than there
+        torch.testing.assert_close(outs[0], separate, rtol=1e-2, atol=1e-2)
+        assert not counters.any()
+
+
+def test_add_norm_gemv_cuda():
+    """The norm in the GEMV's prologue: the residual bit for bit, the output as add_rms_norm + gemv within an ulp's
+    effect (the mean square summed in another order)."""
+    from llmplug.ops.gemv import add_norm_gemv, gemv
+    from llmplug.ops.rms_norm import add_rms_norm
+
+    for k, n, gated, offset in ((2048, 3072, "", 0.0), (4096, 28672, "silu", 0.0), (2304, 18432, "gelu_tanh", 1.0)):
+        x, r = (torch.randn(1, k, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        nw = torch.rand(k, dtype=torch.bfloat16, device="cuda")
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+        y, res = add_norm_gemv(x, r, nw, 1e-5, offset, w, gated=gated)
+        normed, res_ref = add_rms_norm(x, r, nw, 1e-5, offset)
+        assert torch.equal(res, res_ref)
+        torch.testing.assert_close(y, gemv(normed, w, gated=gated), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("d,h,hkv,window,softcap", [(128, 32, 8, -1, 0.0), (64, 16, 16, 100, 0.0),
                                                      (256, 8, 4, 300, 50.0), (80, 12, 4, -1, 0.0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -1,7 +1,10 @@
 """Matrix-vector product for one-token decode: ``y = x @ W^T (+ b)`` with ``x: (1, K)``, ``W: (N, K)``.
 
 Over a fused gate/up weight the MLP's gated activation can be applied in the epilogue (``gated``): a program owns
-gate rows and their up rows, which saves the activation kernel and its round trip.
+gate rows and their up rows, which saves the activation kernel and its round trip. :func:`add_norm_gemv` puts the
+decoder's residual add + RMSNorm in the prologue instead: every program sums the residual, finds the row's rsqrt of
+the mean square itself (the vectors are a few KiB, read from L2/L1) and normalises each input chunk as it reads it;
+program 0 writes the new residual. That saves the norm kernel (~2 us a layer, twice a layer) and its round trip.
 
 At batch 1 a decode step is a stream of weight reads; cuBLAS picks small-N split-K kernels for the narrower
 projections (q/k/v, o) that reach ~3.1 TB/s of an H200's ~4.25. This kernel gives every program a few whole rows
@@ -21,12 +24,16 @@ from ._triton import (
     maybe_wrap,
     next_pow2,
     pdl_options,
+    round_rne,
     tl,
     triton,
     use_triton,
     wait_inputs,
 )
 from .act_mul import ACTIVATIONS, act_and_mul_ref
+from .rms_norm import add_rms_norm_ref
+
+NORM_MAX_K = 8192  # the norm prologue holds the whole row in registers
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: str = "") -> torch.Tensor:
@@ -36,11 +43,58 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return act_and_mul_ref(y, gated) if gated else y
 
 
+def add_norm_gemv_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      gated: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: :func:`~llmplug.ops.rms_norm.add_rms_norm_ref` then :func:`gemv_ref`. ``x, residual: (1, K)`` ->
+    ``(y, x + residual)``."""
+    normed, residual_out = add_rms_norm_ref(x, residual, norm_weight, eps, offset)
+    return gemv_ref(normed, weight, bias, gated), residual_out
+
+
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+    def _rounded(v, DT: tl.constexpr, INTERPRETED: tl.constexpr):
+        """fp32 ``v`` rounded to ``DT`` (nearest even), kept in fp32."""
+        if INTERPRETED:
+            return round_rne(v, DT)
+        return v.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _add_norm_rstd(x_ptr, res_ptr, res_out_ptr, eps, K, pid, K_POW2: tl.constexpr, INTERPRETED: tl.constexpr):
+        """``rsqrt(mean(s^2) + eps)`` of ``s = x + residual`` rounded to the input dtype (as ``add_rms_norm``); program
+        0 stores ``s`` as the new residual."""
+        dt = x_ptr.dtype.element_ty
+        cols = tl.arange(0, K_POW2)
+        mask = cols < K
+        s = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        s = _rounded(s + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32), dt, INTERPRETED)
+        tl.store(res_out_ptr + cols, s.to(dt), mask=cols < tl.where(pid == 0, K, 0))
+        return tl.rsqrt(tl.sum(s * s, axis=0) / K + tl.cast(eps, tl.float32))
+
+    @triton.jit
+    def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, offset, k, cols, K, ADD_NORM: tl.constexpr,
+                     ROUND_FIRST: tl.constexpr, INTERPRETED: tl.constexpr):
+        """``x[k + cols]`` in fp32; with ``ADD_NORM`` the normalised ``x + residual`` rounded as ``add_rms_norm``
+        rounds it (the sum, the normalised value when ``ROUND_FIRST``, the weighted result)."""
+        dt = x_ptr.dtype.element_ty
+        mask = (k + cols) < K
+        x = tl.load(x_ptr + k + cols, mask=mask, other=0.0).to(tl.float32)
+        if ADD_NORM:
+            s = _rounded(x + tl.load(res_ptr + k + cols, mask=mask, other=0.0).to(tl.float32), dt, INTERPRETED)
+            normed = s * rstd
+            if ROUND_FIRST:  # HF's Llama-style RMSNorm rounds before the weight multiply
+                normed = _rounded(normed, dt, INTERPRETED)
+            w = tl.load(nw_ptr + k + cols, mask=mask, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
+            x = _rounded(normed * w, dt, INTERPRETED)
+        return x
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, eps, offset, N, K, stride_wn,
+                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD_NORM: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, INTERPRETED: tl.constexpr,
+                     PDL: tl.constexpr):
         pid = tl.program_id(0)
         rows, row_mask = gemv_rows(pid, N, BLOCK_N, GATED)
         cols = tl.arange(0, BLOCK_K)
@@ -48,11 +102,15 @@ if triton is not None:
         # the first weight tile is read before waiting for x (under PDL, while the previous kernel finishes)
         w = tl.load(w_ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
         wait_inputs(PDL)
-        acc = w.to(tl.float32) * tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        rstd = 1.0
+        if ADD_NORM:
+            rstd = _add_norm_rstd(x_ptr, res_ptr, res_out_ptr, eps, K, pid, K_POW2, INTERPRETED)
+        x = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, offset, 0, cols, K, ADD_NORM, ROUND_FIRST, INTERPRETED)
+        acc = w.to(tl.float32) * x[None, :]
         for k in range(BLOCK_K, K, BLOCK_K):
-            k_mask = (k + cols) < K
-            w = tl.load(w_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * tl.load(x_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_ptrs + k, mask=row_mask[:, None] & ((k + cols) < K)[None, :], other=0.0)
+            x = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, offset, k, cols, K, ADD_NORM, ROUND_FIRST, INTERPRETED)
+            acc += w.to(tl.float32) * x[None, :]
         store_rows(out_ptr, tl.sum(acc, axis=1), pid, rows, row_mask, N, b_ptr, HAS_BIAS, GATED, BLOCK_N,
                    INTERPRETED)
 
@@ -79,12 +137,20 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g
         return gemv_ref(x, weight, bias, gated)
     assert x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1, "gemv needs x (1, K) and W (N, K)"
     assert not gated or (weight.shape[0] % 2 == 0 and block_n % 2 == 0), "gated gemv layout"
+    return _launch(x, weight, bias, gated, (block_n, block_k, num_warps, num_stages))
+
+
+def _launch(x, weight, bias, gated, config, norm=None):
+    """Launch the GEMV; ``norm = (residual, norm_weight, eps, offset, residual_out)`` adds the norm prologue."""
+    block_n, block_k, num_warps, num_stages = config
     n, k = weight.shape
     out = x.new_empty((1, n // 2 if gated else n))
+    residual, norm_weight, eps, offset, residual_out = norm or (x, x, 0.0, 0.0, x)
     maybe_wrap(_gemv_kernel)[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        GATED=gated, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)), INTERPRETED=INTERPRET,
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
+        x, weight, bias if bias is not None else weight, out, residual, norm_weight, residual_out, eps, offset, n, k,
+        weight.stride(0), HAS_BIAS=bias is not None, GATED=gated, ADD_NORM=norm is not None,
+        ROUND_FIRST=offset == 0.0, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)), K_POW2=next_pow2(k),
+        INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
     return out
 
 
@@ -108,6 +174,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     Returns:
         ``(1, N)`` in ``x.dtype``; ``(1, N / 2)`` when gated.
     """
+    return call_op(_gemv_op, x.contiguous(), weight, bias, gated, *_checked_config(x, weight, config, gated))
+
+
+def _checked_config(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None,
+                    gated: str) -> tuple[int, int, int, int]:
+    """Validate :func:`gemv`'s arguments; the launch config (an even row count a program when gated)."""
     n, k = weight.shape
     if gated and (gated not in ACTIVATIONS or n % 2):
         raise ValueError(f"gated={gated!r} needs one of {ACTIVATIONS} and an even number of rows (gate then up), "
@@ -119,4 +191,50 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     config = config or choose_config(n, k)
     if gated and config[0] % 2:
         config = (2 * config[0], *config[1:])
-    return call_op(_gemv_op, x.contiguous(), weight, bias, gated, *config)
+    return config
+
+
+@llmplug_op("add_norm_gemv")
+def _add_norm_gemv_op(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None, gated: str, block_n: int, block_k: int,
+                      num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(x):
+        return add_norm_gemv_ref(x, residual, norm_weight, eps, offset, weight, bias, gated)
+    assert x.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous(), "add_norm_gemv layout"
+    residual_out = x.new_empty(x.shape)
+    norm = (residual, norm_weight, eps, offset, residual_out)
+    return _launch(x, weight, bias, gated, (block_n, block_k, num_warps, num_stages), norm), residual_out
+
+
+@_add_norm_gemv_op.register_fake
+def _(x, residual, norm_weight, eps, offset, weight, bias, gated, block_n, block_k, num_warps, num_stages):
+    return x.new_empty((1, weight.shape[0] // 2 if gated else weight.shape[0])), x.new_empty(x.shape)
+
+
+def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: tuple[int, int, int, int] | None = None,
+                  gated: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~llmplug.ops.rms_norm.add_rms_norm` fused into the next :func:`gemv`'s prologue.
+
+    Args:
+        x, residual: ``(1, K)`` of one dtype, ``K <= NORM_MAX_K``.
+        norm_weight: ``(K,)``; eps, offset: as :func:`~llmplug.ops.rms_norm.add_rms_norm`.
+        weight, bias, config, gated: as :func:`gemv`.
+
+    Returns:
+        ``(y, x + residual)``: ``y`` is ``gemv(add_rms_norm(x, residual, ...)[0], weight, bias, gated=gated)`` (the
+        normalised input rounded as ``add_rms_norm`` rounds it; its mean square may differ in the last bit, being
+        summed in another order), ``x + residual`` rounded to ``x.dtype``.
+    """
+    k = weight.shape[1]
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual ({tuple(residual.shape)}, {residual.dtype}) must match x ({tuple(x.shape)}, "
+                         f"{x.dtype})")
+    if norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight.shape={tuple(norm_weight.shape)} must be ({k},)")
+    if k > NORM_MAX_K:
+        raise ValueError(f"add_norm_gemv needs K <= {NORM_MAX_K}, got K={k}")
+    config = _checked_config(x, weight, config, gated)
+    return call_op(_add_norm_gemv_op, x.contiguous(), residual.contiguous(), norm_weight.contiguous(), float(eps),
+                   float(offset), weight, bias, gated, *config)

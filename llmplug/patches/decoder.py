@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..engine.attention import paged_attention
 from ..ops.act_mul import act_and_mul
-from ..ops.gemv import gemv
+from ..ops.gemv import NORM_MAX_K, add_norm_gemv, gemv
 from ..ops.rms_norm import add_rms_norm, rms_norm
 from ..ops.rope_store_kv import rope_store_kv
 from ..quant.linear import QuantLinear, fuse_quant_linears
@@ -149,8 +149,17 @@ class FusedDecoder:
     def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         return rms_norm(x, norm.weight, _eps(norm), self.spec.norm_offset)
 
-    def _add_norm(self, x, residual, norm):
-        return add_rms_norm(x, residual, norm.weight, _eps(norm), self.spec.norm_offset)
+    def _add_norm_matmul(self, linear: Linear, hidden: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module,
+                         gated: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(linear(rms_norm(hidden + residual)), hidden + residual)``, gated when asked. One token on CUDA with a
+        plain weight: the norm runs in the GEMV's prologue (:func:`~llmplug.ops.gemv.add_norm_gemv`), one kernel
+        fewer. NOTE: see BENCHMARKS.md for the decode-step replay times with and without it."""
+        eps, offset = _eps(norm), self.spec.norm_offset
+        if (isinstance(linear, Dense) and hidden.shape[0] == 1 and hidden.is_cuda and hidden.shape[1] <= NORM_MAX_K
+                and hidden.dtype == linear.weight.dtype):
+            return add_norm_gemv(hidden, residual, norm.weight, eps, offset, linear.weight, linear.bias, gated=gated)
+        x, residual = add_rms_norm(hidden, residual, norm.weight, eps, offset)
+        return (linear.gated_matmul(x, gated) if gated else linear.matmul(x)), residual
 
     def _rotary_emb(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple]:
         """HF's rotary module on ``positions (T,)``: ``{rope key: (cos (T, R), sin (T, R))}`` in ``hidden.dtype``."""
@@ -191,10 +200,9 @@ class FusedDecoder:
         for i, lay in enumerate(self.layers):
             layer, attn = lay.module, lay.module.self_attn
             if residual is None:
-                residual, x = hidden, self._norm(hidden, layer.input_layernorm)
+                residual, qkv = hidden, lay.qkv.matmul(self._norm(hidden, layer.input_layernorm))
             else:
-                x, residual = self._add_norm(hidden, residual, layer.input_layernorm)
-            qkv = lay.qkv.matmul(x)
+                qkv, residual = self._add_norm_matmul(lay.qkv, hidden, residual, layer.input_layernorm)
             q = qkv[:, :lay.q_size].view(t, -1, d)
             k = qkv[:, lay.q_size:lay.q_size + lay.kv_size].view(t, -1, d)
             v = qkv[:, lay.q_size + lay.kv_size:].view(t, -1, d)
@@ -208,16 +216,16 @@ class FusedDecoder:
             hidden = lay.o.matmul(o.view(t, -1))
             if spec.sandwich_norms:
                 hidden = self._norm(hidden, layer.post_attention_layernorm)
-                x, residual = self._add_norm(hidden, residual, layer.pre_feedforward_layernorm)
+                norm = layer.pre_feedforward_layernorm
             else:
-                x, residual = self._add_norm(hidden, residual, layer.post_attention_layernorm)
-            hidden = lay.down.matmul(lay.gate_up.gated_matmul(x, self.activation))
+                norm = layer.post_attention_layernorm
+            gated, residual = self._add_norm_matmul(lay.gate_up, hidden, residual, norm, self.activation)
+            hidden = lay.down.matmul(gated)
             if spec.sandwich_norms:
                 hidden = self._norm(hidden, layer.post_feedforward_layernorm)
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]
-        hidden, _ = self._add_norm(hidden, residual, self.base.norm)
-        logits = self.lm_head.matmul(hidden)
+        logits, _ = self._add_norm_matmul(self.lm_head, hidden, residual, self.base.norm)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from llmplug.ops.gemv import gemv, gemv_ref
+from llmplug.ops.gemv import add_norm_gemv, add_norm_gemv_ref, gemv, gemv_ref
+from llmplug.ops.rms_norm import add_rms_norm_ref
 from tests.tolerances import assert_close_matmul_like
 
 
@@ -42,6 +43,28 @@ def test_row_view_of_fused_weight():
     torch.testing.assert_close(gemv(x, w, config=(8, 32, 4, 2)), gemv_ref(x, w))
 
 
+@pytest.mark.parametrize("k", [64, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("gated", ["", "silu"])
+def test_add_norm_prologue(k, dtype, offset, gated):
+    """The residual add + RMSNorm in the prologue: the same new residual, the product of the normalised input."""
+    x, residual = torch.randn(1, k, dtype=dtype), torch.randn(1, k, dtype=dtype)
+    norm_w = torch.rand(k, dtype=dtype) + 0.5
+    w, b = torch.randn(38, k, dtype=dtype), torch.randn(38, dtype=dtype)
+    y, res = add_norm_gemv(x, residual, norm_w, 1e-6, offset, w, b, config=(8, 64, 4, 2), gated=gated)
+    normed, res_ref = add_rms_norm_ref(x, residual, norm_w, 1e-6, offset)
+    assert torch.equal(res, res_ref)
+    assert y.shape == (1, 19 if gated else 38)
+    ref64 = gemv_ref(normed.double(), w.double(), b.double(), gated)
+    same, _ = add_norm_gemv_ref(x, residual, norm_w, 1e-6, offset, w, b, gated)
+    assert_close_matmul_like(y, ref64, same)
+    # the normalised input itself, through an identity weight: add_rms_norm's values (its rsqrt may differ by an ulp)
+    eye = torch.eye(k, dtype=dtype)
+    x_in, _ = add_norm_gemv(x, residual, norm_w, 1e-6, offset, eye, config=(8, 64, 4, 2))
+    torch.testing.assert_close(x_in, normed, rtol=0 if dtype == torch.float32 else 8e-3, atol=1e-6)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match=r"\(1, 8\)"):
         gemv(torch.randn(2, 8), torch.randn(4, 8))
@@ -49,9 +72,17 @@ def test_bad_input():
         gemv(torch.randn(1, 8), torch.randn(4, 8), gated="relu")
     with pytest.raises(ValueError, match="even"):
         gemv(torch.randn(1, 8), torch.randn(5, 8), gated="silu")
+    x = torch.randn(1, 8)
+    with pytest.raises(ValueError, match="residual"):
+        add_norm_gemv(x, torch.randn(1, 8, dtype=torch.float16), torch.ones(8), 1e-6, 0.0, torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"norm_weight.shape=\(7,\)"):
+        add_norm_gemv(x, x, torch.ones(7), 1e-6, 0.0, torch.randn(4, 8))
 
 
 def test_opcheck():
     args = (torch.randn(1, 32), torch.randn(16, 32), None, "", 8, 32, 4, 2)
     torch.library.opcheck(torch.ops.llmplug.gemv.default, args)
     torch.library.opcheck(torch.ops.llmplug.gemv.default, (*args[:3], "silu", *args[4:]))
+    x = torch.randn(1, 32)
+    norm_args = (x, torch.randn(1, 32), torch.rand(32), 1e-6, 0.0, torch.randn(16, 32), None, "silu", 8, 32, 4, 2)
+    torch.library.opcheck(torch.ops.llmplug.add_norm_gemv.default, norm_args)

@@ -35,22 +35,6 @@ def test_decode_attention_cuda(d, h, hkv, window, softcap, dtype):
     assert_close_matmul_like(out, ref64, same)
 
 
-@pytest.mark.parametrize("d,hkv,ctx", [(64, 8, 384), (128, 8, 8192), (128, 2, 3000)])
-def test_last_split_combine_cuda(d, hkv, ctx):
-    """The in-kernel combine (last split of a kv head, found by an atomic counter) against the combine kernel, over
-    many launches at batch 1 and 2 with many splits: a memory-ordering race would show as a mismatch."""
-    for b in (1, 2):
-        kc, vc, bt = _paged(b, ctx, hkv, d, 16, torch.bfloat16)
-        lens = torch.tensor([ctx, ctx // 3][:b], dtype=torch.int32, device="cuda")
-        q = torch.randn(b, 4 * hkv, d, dtype=torch.bfloat16, device="cuda")
-        counters = torch.zeros(64, dtype=torch.int32, device="cuda")
-        separate = decode_attention(q, kc, vc, bt, lens, d**-0.5)
-        outs = [decode_attention(q, kc, vc, bt, lens, d**-0.5, split_counters=counters) for _ in range(300)]
-        assert all(torch.equal(o, outs[0]) for o in outs)  # the partials are added up in another order than there
-        torch.testing.assert_close(outs[0], separate, rtol=1e-2, atol=1e-2)
-        assert not counters.any()
-
-
 def test_add_norm_gemv_cuda():
     """The norm in the GEMV's prologue: the residual bit for bit, the output as add_rms_norm + gemv within an ulp's
     effect (the mean square summed in another order)."""

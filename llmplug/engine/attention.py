@@ -39,8 +39,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if not stored:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     if meta.is_decode:
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap,
-                                split_counters=meta.split_counters, **scales)
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, **scales)
     nd = meta.num_decodes
     if nd == 0:
         return prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,

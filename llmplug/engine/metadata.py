@@ -24,9 +24,6 @@ class AttentionMetadata:
         num_decodes: prefill only: the first ``num_decodes`` sequences have one new token each; their attention runs
             on the decode kernel (``seq_lens`` then holds their ``(num_decodes,)`` lengths), the rest on the prefill
             kernel.
-        split_counters: decode only, optional: a zeroed int32 buffer the decode attention kernel counts finished
-            context splits in (they then combine their results themselves); one per model runner, used by one
-            stream at a time.
     """
 
     is_decode: bool
@@ -37,4 +34,3 @@ class AttentionMetadata:
     max_seqlen_q: int = 0
     seq_lens: torch.Tensor | None = None
     num_decodes: int = 0
-    split_counters: torch.Tensor | None = None

@@ -25,7 +25,6 @@ ForwardFn = Callable[["ModelRunner", torch.Tensor, torch.Tensor, torch.Tensor | 
 _MAX_BLOCKS = 1 << 18
 MAX_EOS = 8  # end-of-sequence ids a greedy graph checks on the device
 GREEDY_RING = 16  # greedy graph steps between two reads of their tokens by the host
-SPLIT_COUNTERS = 4096  # decode attention's split counters: enough whenever it splits (batch x kv heads < 2 x SMs)
 MAX_SAMPLE_GRAPHS = 4  # sampling graphs kept (one per batch size and sampler settings)
 POSITION_ONLY_ROPE = {"default", "linear", "llama3", "yarn"}  # rope types whose cos/sin depend on the position alone
 
@@ -40,14 +39,13 @@ def hf_forward(runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Te
     return out.logits[0]
 
 
-def decode_metadata(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-                    split_counters: torch.Tensor | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+def decode_metadata(positions: torch.Tensor, block_tables: torch.Tensor,
+                    block_size: int) -> tuple[torch.Tensor, AttentionMetadata]:
     """Decode metadata from device tensors alone, in one kernel: ``positions (B,)`` (-1: padding row),
-    ``block_tables (B, M)`` -> ``(positions clamped at 0, metadata)``; ``split_counters`` as
-    :attr:`AttentionMetadata.split_counters`."""
+    ``block_tables (B, M)`` -> ``(positions clamped at 0, metadata)``."""
     clamped, slots, seq_lens = decode_slots(positions, block_tables, block_size)
     return clamped, AttentionMetadata(is_decode=True, slot_mapping=slots, block_tables=block_tables,
-                                      seq_lens=seq_lens, split_counters=split_counters)
+                                      seq_lens=seq_lens)
 
 
 class ModelRunner:
@@ -67,7 +65,6 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.cache: PagedKVCache | None = None
-        self.split_counters: torch.Tensor | None = None  # decode attention's, allocated with the cache
         self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._pool = None  # one CUDA-graph memory pool shared by every captured graph
         self._hf_configs = self._attention_configs()
@@ -102,7 +99,6 @@ class ModelRunner:
                 raise MemoryError(f"no memory left for a single KV page of {per_block} bytes on {self.device}")
             self.cache = PagedKVCache(self.num_layers, n, self.block_size, self.num_kv_heads, self.head_dim,
                                       self.kv_dtype, self.device)
-            self.split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=self.device)
         return self.cache
 
     def release(self) -> None:
@@ -110,7 +106,7 @@ class ModelRunner:
         capture into a pool whose graphs are all gone)."""
         self._graphs.clear()
         self._pool = None
-        self.cache = self.split_counters = None
+        self.cache = None
         self.meta = None
 
     # ---- HF attention switch -------------------------------------------------------------------------------
@@ -196,8 +192,8 @@ class ModelRunner:
         batch = input_ids.shape[0]
         bucket = self.graph_bucket(batch)
         if bucket is None:
-            meta = decode_metadata(positions, block_tables, self.block_size, self.split_counters)[1]
-            return self.forward(input_ids, positions, meta, None)
+            return self.forward(input_ids, positions, decode_metadata(positions, block_tables, self.block_size)[1],
+                                None)
         graph, buf = self._graphs.get(("decode", bucket)) or self._capture_decode(bucket)
         buf["input_ids"][:batch].copy_(input_ids)
         buf["positions"][:batch].copy_(positions)
@@ -258,8 +254,7 @@ class ModelRunner:
         state = [buf[k] for k in ("unfinished", "eos", "pad", "ring", "input_ids", "positions", "counters")]
 
         def step():
-            positions, meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size,
-                                             self.split_counters)
+            positions, meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
             logits = self.forward(buf["input_ids"], positions, meta, None)
             if processors is None:
                 with programmatic_launch():
@@ -283,8 +278,7 @@ class ModelRunner:
         buf = self._buffers(bucket, bucket)
 
         def step():
-            positions, meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size,
-                                             self.split_counters)
+            positions, meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
             return self.forward(buf["input_ids"], positions, meta, None)
 
         return self._capture(("decode", bucket), buf, step)

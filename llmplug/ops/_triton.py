@@ -48,7 +48,7 @@ _PDL_CAPABLE: dict[int, bool] = {}
 _pdl_scope = [False]
 
 __all__ = ["HAS_TRITON", "INTERPRET", "call_op", "cpu_kernels", "llmplug_op", "maybe_wrap", "next_pow2", "pdl_options",
-           "programmatic_launch", "release_writes", "round_rne", "tl", "triton", "use_triton", "wait_inputs"]
+           "programmatic_launch", "round_rne", "tl", "triton", "use_triton", "wait_inputs"]
 
 
 def llmplug_op(name: str, mutates_args: tuple[str, ...] | str = ()):
@@ -143,15 +143,6 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-
-    @triton.jit
-    def release_writes(INTERPRETED: tl.constexpr):
-        """Every thread's earlier global writes become visible GPU-wide before its later memory operations
-        (``fence.acq_rel.gpu``): a program publishing results to another program of the same launch calls it, then a
-        barrier, then a release atomic. A no-op under the interpreter (programs run one after another)."""
-        if not INTERPRETED:
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [tl.program_id(0)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def round_rne(x, DTYPE: tl.constexpr):

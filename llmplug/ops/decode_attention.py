@@ -11,10 +11,8 @@ Kernel design:
 * The context is split into ``num_splits`` contiguous ranges of ``BLOCK_N``-token tiles (flash-decoding). The split
   count depends only on static shapes (batch, kv heads, SM count, block-table width), never on ``seq_lens`` values, so
   the op is CUDA-graph safe; the tile ranges themselves are computed on the device from ``seq_lens``. With one split
-  the kernel writes the output directly; otherwise each split writes an fp32 partial output plus its log-sum-exp, and
-  they are combined either by the split of each (sequence, kv head) that finishes last (given ``split_counters``: it
-  learns it is last from an atomic counter, which it returns to zero) or by a small second kernel. Splits with no
-  tokens write ``lse = -inf`` and are ignored by the combine.
+  the kernel writes the output directly; otherwise each split writes an fp32 partial output plus its log-sum-exp and a
+  small second kernel combines them. Splits with no tokens write ``lse = -inf`` and are ignored by the combine.
 * Inner loop: per tile, load the block ids of its tokens, gather ``BLOCK_N`` K rows (``D`` contiguous elements, stride
   ``Hkv * D`` between tokens of a page: 16-byte loads), ``q @ k^T`` in fp32, online softmax in base 2 (``log2(e)``
   folded into the scale), then ``p @ v``.
@@ -38,7 +36,6 @@ from ._triton import (
     maybe_wrap,
     next_pow2,
     pdl_options,
-    release_writes,
     round_rne,
     tl,
     triton,
@@ -53,7 +50,6 @@ _NO_WINDOW = 1 << 30  # passed to the kernel as the window when there is none
 _MAX_SPLITS = 64
 _MIN_TILES_PER_SPLIT = 4
 _INTERPRETER_SMS = 4  # pretend SM count under the interpreter / on CPU, so small tests still get several splits
-_COMBINE_ELEMENTS = 4096  # (heads, splits, head dim) partials the last split reads at a time
 
 
 def decode_attention_ref(
@@ -125,11 +121,11 @@ if triton is not None:
     @triton.jit
     def _decode_attn_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_ptr,
-        lse_ptr, counter_ptr, score_scale, cap_scale, window, num_heads, stride_qb, stride_qh, stride_cb, stride_cp,
-        stride_ch, stride_sb, stride_sh, stride_bt, stride_ob, stride_oh, GROUP: tl.constexpr, PAGE: tl.constexpr,
+        lse_ptr, score_scale, cap_scale, window, num_heads, stride_qb, stride_qh, stride_cb, stride_cp, stride_ch,
+        stride_sb, stride_sh, stride_bt, stride_ob, stride_oh, GROUP: tl.constexpr, PAGE: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        LAST_COMBINES: tl.constexpr, GROUP_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr, INTERPRETED: tl.constexpr,
+        INTERPRETED: tl.constexpr,
         PDL: tl.constexpr,
     ):
         wait_inputs(PDL)
@@ -242,52 +238,6 @@ if triton is not None:
             tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hd_mask)
             lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + row, lse, mask=h_mask)
-            if LAST_COMBINES:
-                # count this split once every thread's partial is visible GPU-wide; the last one combines them all
-                release_writes(INTERPRETED)
-                tl.debug_barrier()
-                counter = counter_ptr + b * tl.num_programs(1) + kvh
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-                    used = tl.cdiv(n_tiles, tl.maximum(per_split, 1))  # splits holding tiles
-                    _combine_group(part_ptr, lse_ptr, out_ptr, b, kvh, used, num_heads, stride_ob, stride_oh,
-                                   GROUP, GROUP_P2, NUM_SPLITS, HEAD_DIM, BLOCK_D, SPLIT_CHUNK, INTERPRETED)
-
-    @triton.jit
-    def _combine_group(part_ptr, lse_ptr, out_ptr, b, kvh, used, num_heads, stride_ob, stride_oh, GROUP: tl.constexpr,
-                       GROUP_P2: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                       SPLIT_CHUNK: tl.constexpr, INTERPRETED: tl.constexpr):
-        """Out rows of kv head ``kvh``'s query heads from the first ``used`` splits' partials (the later ones are
-        empty), ``SPLIT_CHUNK`` splits at a time with a running max; partials read from L2 (``.cg``: written by other
-        programs during this launch)."""
-        offs_h = tl.arange(0, GROUP_P2)
-        offs_s = tl.arange(0, SPLIT_CHUNK)
-        offs_d = tl.arange(0, BLOCK_D)
-        heads = kvh * GROUP + offs_h
-        h_mask = offs_h < GROUP
-        rows = (b * num_heads + heads).to(tl.int64) * NUM_SPLITS
-        m = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
-        total = tl.zeros([GROUP_P2], dtype=tl.float32)
-        acc = tl.zeros([GROUP_P2, BLOCK_D], dtype=tl.float32)
-        for s0 in range(0, used, SPLIT_CHUNK):
-            hs_mask = h_mask[:, None] & ((s0 + offs_s) < used)[None, :]
-            hs_rows = rows[:, None] + s0 + offs_s[None, :]
-            lse = tl.load(lse_ptr + hs_rows, mask=hs_mask, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(part_ptr + hs_rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                           mask=hs_mask[:, :, None] & (offs_d < HEAD_DIM)[None, None, :], other=0.0,
-                           cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(lse, 1))
-            base = tl.where(m_new > float("-inf"), m_new, 0.0)  # no keys yet: weights 0, not NaN
-            alpha = tl.exp2(m - base)
-            w = tl.exp2(lse - base[:, None])
-            total = total * alpha + tl.sum(w, 1)
-            acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], 1)
-            m = m_new
-        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-        if INTERPRETED:
-            out = round_rne(out, out_ptr.dtype.element_ty)
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
     @triton.jit
     def _decode_attn_combine_kernel(
@@ -380,7 +330,6 @@ def _decode_attention_op(
     num_splits: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if not use_triton(q):
         return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
@@ -408,8 +357,7 @@ def _decode_attention_op(
         lse = torch.empty((bsz, num_heads, splits), dtype=torch.float32, device=q.device)
     else:  # the kernel writes ``out`` directly; placeholders, never touched
         part = lse = torch.empty(1, dtype=torch.float32, device=q.device)
-    last_combines = splits > 1 and split_counters is not None and split_counters.numel() >= bsz * num_kv_heads
-    group_p2 = next_pow2(group)
+
     if softcap > 0:
         score_scale, cap_scale = scale / softcap, softcap * LOG2E
     else:
@@ -426,7 +374,6 @@ def _decode_attention_op(
         out,
         part,
         lse,
-        split_counters if last_combines else lse,  # placeholder, never touched
         score_scale,
         cap_scale,
         sliding_window if sliding_window > 0 else _NO_WINDOW,
@@ -451,16 +398,13 @@ def _decode_attention_op(
         SOFTCAP=softcap > 0,
         QUANT=quant,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        LAST_COMBINES=last_combines,
-        GROUP_P2=group_p2,
-        SPLIT_CHUNK=max(1, min(next_pow2(splits), _COMBINE_ELEMENTS // (group_p2 * block_d))),
         # Interpreter workarounds: its tl.dot mishandles bf16 and it truncates fp32 -> bf16 casts (see ``round_rne``).
         INTERPRETED=INTERPRET,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(q),
     )
-    if splits > 1 and not last_combines:
+    if splits > 1:
         maybe_wrap(_decode_attn_combine_kernel)[(bsz, num_heads)](
             part,
             lse,
@@ -481,7 +425,7 @@ def _decode_attention_op(
 
 @_decode_attention_op.register_fake
 def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits, k_scale=None,
-      v_scale=None, split_counters=None):
+      v_scale=None):
     return q.new_empty(q.shape)
 
 
@@ -500,7 +444,6 @@ def decode_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    split_counters: torch.Tensor | None = None,
     _num_splits: int = 0,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache.
@@ -521,10 +464,6 @@ def decode_attention(
             means none.
         k_scale, v_scale: ``(num_blocks, Hkv, P)`` fp32 scales of an fp8/int8 cache (the pages read as
             ``value * scale``, :mod:`llmplug.ops.kv_quant`); None for a cache in ``q.dtype``.
-        split_counters: optional zeroed int32 buffer of at least ``B * Hkv`` elements, owned by the caller and used
-            by one stream at a time (the model runner keeps one): the context splits then combine their partial
-            results themselves (the last to finish, found with an atomic counter it returns to zero) instead of in a
-            second kernel. All zeros again when the op returns.
         _num_splits: private override of the flash-decoding split count (tests); 0 picks it from shapes.
 
     Returns:
@@ -550,8 +489,8 @@ def decode_attention(
         raise ValueError(f"block_tables must be ({bsz}, M), got shape {tuple(block_tables.shape)}")
     if seq_lens.dim() != 1 or seq_lens.shape[0] != bsz:
         raise ValueError(f"seq_lens must be ({bsz},), got shape {tuple(seq_lens.shape)}")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("split_counters", split_counters)):
-        if t is not None and t.dtype != torch.int32:
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     if _num_splits < 0 or _num_splits > _MAX_SPLITS:
         raise ValueError(f"_num_splits={_num_splits} must be in [0, {_MAX_SPLITS}]")
@@ -574,5 +513,4 @@ def decode_attention(
         int(_num_splits),
         k_scale,
         v_scale,
-        split_counters,
     )

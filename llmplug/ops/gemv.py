@@ -33,7 +33,7 @@ from ._triton import (
 from .act_mul import ACTIVATIONS, act_and_mul_ref
 from .rms_norm import add_rms_norm_ref
 
-NORM_MAX_K = 8192  # the norm prologue holds the whole row in registers
+NORM_BLOCK = 1024  # elements of x + residual the norm prologue reads at a time (more raises register use)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: str = "") -> torch.Tensor:
@@ -62,16 +62,21 @@ if triton is not None:
         return v.to(DT).to(tl.float32)
 
     @triton.jit
-    def _add_norm_rstd(x_ptr, res_ptr, res_out_ptr, eps, K, pid, K_POW2: tl.constexpr, INTERPRETED: tl.constexpr):
-        """``rsqrt(mean(s^2) + eps)`` of ``s = x + residual`` rounded to the input dtype (as ``add_rms_norm``); program
-        0 stores ``s`` as the new residual."""
+    def _add_norm_rstd(x_ptr, res_ptr, res_out_ptr, eps, K, pid, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
+        """``rsqrt(mean(s^2) + eps)`` of ``s = x + residual`` rounded to the input dtype (as ``add_rms_norm``), read
+        ``NORM_BLOCK`` elements at a time; program 0 stores ``s`` as the new residual."""
         dt = x_ptr.dtype.element_ty
-        cols = tl.arange(0, K_POW2)
-        mask = cols < K
-        s = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        s = _rounded(s + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32), dt, INTERPRETED)
-        tl.store(res_out_ptr + cols, s.to(dt), mask=cols < tl.where(pid == 0, K, 0))
-        return tl.rsqrt(tl.sum(s * s, axis=0) / K + tl.cast(eps, tl.float32))
+        cols = tl.arange(0, NORM_BLOCK)
+        squares = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+        for step in tl.static_range(NORM_STEPS):  # unrolled: every load issued at once
+            k = step * NORM_BLOCK
+            mask = (k + cols) < K
+            s = tl.load(x_ptr + k + cols, mask=mask, other=0.0).to(tl.float32)
+            s = _rounded(s + tl.load(res_ptr + k + cols, mask=mask, other=0.0).to(tl.float32), dt, INTERPRETED)
+            tl.store(res_out_ptr + k + cols, s.to(dt), mask=(k + cols) < tl.where(pid == 0, K, 0))
+            squares += s * s
+        return tl.rsqrt(tl.sum(squares, axis=0) / K + tl.cast(eps, tl.float32))
 
     @triton.jit
     def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, offset, k, cols, K, ADD_NORM: tl.constexpr,
@@ -93,7 +98,8 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, eps, offset, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD_NORM: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, INTERPRETED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
+                     INTERPRETED: tl.constexpr,
                      PDL: tl.constexpr):
         pid = tl.program_id(0)
         rows, row_mask = gemv_rows(pid, N, BLOCK_N, GATED)
@@ -104,7 +110,7 @@ if triton is not None:
         wait_inputs(PDL)
         rstd = 1.0
         if ADD_NORM:
-            rstd = _add_norm_rstd(x_ptr, res_ptr, res_out_ptr, eps, K, pid, K_POW2, INTERPRETED)
+            rstd = _add_norm_rstd(x_ptr, res_ptr, res_out_ptr, eps, K, pid, NORM_BLOCK, NORM_STEPS, INTERPRETED)
         x = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, offset, 0, cols, K, ADD_NORM, ROUND_FIRST, INTERPRETED)
         acc = w.to(tl.float32) * x[None, :]
         for k in range(BLOCK_K, K, BLOCK_K):
@@ -146,11 +152,13 @@ def _launch(x, weight, bias, gated, config, norm=None):
     n, k = weight.shape
     out = x.new_empty((1, n // 2 if gated else n))
     residual, norm_weight, eps, offset, residual_out = norm or (x, x, 0.0, 0.0, x)
+    norm_block = min(NORM_BLOCK, next_pow2(k))
     maybe_wrap(_gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, residual, norm_weight, residual_out, eps, offset, n, k,
         weight.stride(0), HAS_BIAS=bias is not None, GATED=gated, ADD_NORM=norm is not None,
-        ROUND_FIRST=offset == 0.0, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)), K_POW2=next_pow2(k),
-        INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
+        ROUND_FIRST=offset == 0.0, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)),
+        NORM_BLOCK=norm_block, NORM_STEPS=triton.cdiv(k, norm_block), INTERPRETED=INTERPRET, num_warps=num_warps,
+        num_stages=num_stages, **pdl_options(x))
     return out
 
 
@@ -218,7 +226,7 @@ def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     """:func:`~llmplug.ops.rms_norm.add_rms_norm` fused into the next :func:`gemv`'s prologue.
 
     Args:
-        x, residual: ``(1, K)`` of one dtype, ``K <= NORM_MAX_K``.
+        x, residual: ``(1, K)`` of one dtype.
         norm_weight: ``(K,)``; eps, offset: as :func:`~llmplug.ops.rms_norm.add_rms_norm`.
         weight, bias, config, gated: as :func:`gemv`.
 
@@ -233,8 +241,6 @@ def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
                          f"{x.dtype})")
     if norm_weight.shape != (k,):
         raise ValueError(f"norm_weight.shape={tuple(norm_weight.shape)} must be ({k},)")
-    if k > NORM_MAX_K:
-        raise ValueError(f"add_norm_gemv needs K <= {NORM_MAX_K}, got K={k}")
     config = _checked_config(x, weight, config, gated)
     return call_op(_add_norm_gemv_op, x.contiguous(), residual.contiguous(), norm_weight.contiguous(), float(eps),
                    float(offset), weight, bias, gated, *config)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..engine.attention import paged_attention
 from ..ops.act_mul import act_and_mul
-from ..ops.gemv import NORM_MAX_K, add_norm_gemv, gemv
+from ..ops.gemv import add_norm_gemv, gemv
 from ..ops.rms_norm import add_rms_norm, rms_norm
 from ..ops.rope_store_kv import rope_store_kv
 from ..quant.linear import QuantLinear, fuse_quant_linears
@@ -155,7 +155,7 @@ class FusedDecoder:
         plain weight: the norm runs in the GEMV's prologue (:func:`~llmplug.ops.gemv.add_norm_gemv`), one kernel
         fewer. NOTE: see BENCHMARKS.md for the decode-step replay times with and without it."""
         eps, offset = _eps(norm), self.spec.norm_offset
-        if (isinstance(linear, Dense) and hidden.shape[0] == 1 and hidden.is_cuda and hidden.shape[1] <= NORM_MAX_K
+        if (isinstance(linear, Dense) and hidden.shape[0] == 1 and hidden.is_cuda
                 and hidden.dtype == linear.weight.dtype):
             return add_norm_gemv(hidden, residual, norm.weight, eps, offset, linear.weight, linear.bias, gated=gated)
         x, residual = add_rms_norm(hidden, residual, norm.weight, eps, offset)

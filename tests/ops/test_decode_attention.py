@@ -39,10 +39,9 @@ def _paged(lens, num_heads, num_kv_heads, head_dim, page, dtype, window=-1, pois
     return q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32)
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, window=-1, softcap=0.0, splits=0, counters=None):
+def _check(q, k_cache, v_cache, block_tables, seq_lens, window=-1, softcap=0.0, splits=0):
     scale = q.shape[-1] ** -0.5
-    out = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
-                           split_counters=counters, _num_splits=splits)
+    out = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, _num_splits=splits)
     ref64 = decode_attention_ref(
         q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens, scale, window, softcap
     )
@@ -72,28 +71,6 @@ def test_matches_reference(case):
     lens, num_heads, num_kv_heads, head_dim, page, dtype, window, softcap, splits = CASES[case]
     inputs = _paged(lens, num_heads, num_kv_heads, head_dim, page, dtype, window)
     _check(*inputs, window=window, softcap=softcap, splits=splits)
-
-
-@pytest.mark.parametrize("case", ["gqa4-bf16-splits", "mqa8-d80-p8-padding", "window-softcap-fp32",
-                                  "gqa8-softcap-fp32-d256"])
-def test_last_split_combines(case):
-    """With split counters the last split of each (sequence, kv head) combines the partials: same results as the
-    combine kernel, counters back at zero (so a second launch, e.g. the next graph replay, works too)."""
-    lens, num_heads, num_kv_heads, head_dim, page, dtype, window, softcap, splits = CASES[case]
-    inputs = _paged(lens, num_heads, num_kv_heads, head_dim, page, dtype, window)
-    counters = torch.zeros(len(lens) * num_kv_heads + 5, dtype=torch.int32)
-    for _ in range(2):
-        out = _check(*inputs, window=window, softcap=softcap, splits=splits, counters=counters)
-        assert torch.equal(counters, torch.zeros_like(counters))
-    separate = _check(*inputs, window=window, softcap=softcap, splits=splits)
-    torch.testing.assert_close(out, separate, rtol=0, atol=2e-3 if dtype == torch.float16 else 0)
-
-
-def test_too_few_split_counters_fall_back():
-    inputs = _paged([40, 90], 4, 2, 64, 16, torch.float32)
-    counters = torch.zeros(3, dtype=torch.int32)  # needs B * Hkv = 4
-    _check(*inputs, splits=3, counters=counters)
-    assert torch.equal(counters, torch.zeros_like(counters))
 
 
 def test_strided_q_and_changing_seq_lens():

@@ -1,8 +1,12 @@
 """Batch-1 GEMV: llmplug's gemv configs vs cuBLAS (F.linear) on every decode projection of llama-1b/8b.
 
 Timed as CUDA-graph replays over 4 rotating weight copies (no launch overhead, no L2 reuse). Prints GB/s.
+
+    python benchmarks/gemv_sweep.py out.json           # configs vs cuBLAS
+    python benchmarks/gemv_sweep.py out.json --norm    # add_rms_norm + gemv vs add_norm_gemv (norm in the prologue)
 """
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -13,7 +17,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmplug.bench.timing import graph_time  # noqa: E402
-from llmplug.ops.gemv import gemv  # noqa: E402
+from llmplug.ops._triton import programmatic_launch  # noqa: E402
+from llmplug.ops.gemv import add_norm_gemv, choose_config, gemv  # noqa: E402
+from llmplug.ops.rms_norm import add_rms_norm  # noqa: E402
 
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
           "8b.lm_head": (128256, 4096), "1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate_up": (16384, 2048),
@@ -45,5 +51,39 @@ def main(out_path: str) -> None:
     Path(out_path).write_text(json.dumps(res, indent=1))
 
 
+def _separate(x, r, nw, gated, config, w):
+    normed, _ = add_rms_norm(x, r, nw, 1e-5)
+    return gemv(normed, w, config=config, gated=gated)
+
+
+def _fused(x, r, nw, gated, config, w):
+    return add_norm_gemv(x, r, nw, 1e-5, 0.0, w, config=config, gated=gated)[0]
+
+
+@torch.inference_mode()
+def norm_sweep(out_path: str) -> None:
+    """Per projection that follows a norm (q/k/v, gate/up, lm_head): the norm kernel then the GEMV against the GEMV
+    with the norm in its prologue (default config, and twice the rows a program), us a call, under programmatic
+    dependent launch as in a decode step."""
+    res = {}
+    for name, (n, k) in SHAPES.items():
+        if name.endswith((".o", ".down")):
+            continue
+        copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5 for _ in range(4)]
+        x, r = (torch.randn(1, k, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        nw = torch.rand(k, dtype=torch.bfloat16, device="cuda")
+        gated = "silu" if name.endswith("gate_up") else ""
+        cfg = choose_config(n, k)
+        wide = (2 * cfg[0], *cfg[1:])
+        with programmatic_launch():
+            row = {f"separate {cfg}": graph_time(functools.partial(_separate, x, r, nw, gated, cfg), copies),
+                   f"fused {cfg}": graph_time(functools.partial(_fused, x, r, nw, gated, cfg), copies),
+                   f"fused {wide}": graph_time(functools.partial(_fused, x, r, nw, gated, wide), copies)}
+        res[name] = {key: t * 1e6 for key, t in row.items()}
+        print(f"{name:12s} " + " | ".join(f"{key} {t:7.2f} us" for key, t in res[name].items()), flush=True)
+        del copies
+    Path(out_path).write_text(json.dumps(res, indent=1))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    norm_sweep(sys.argv[1]) if "--norm" in sys.argv[2:] else main(sys.argv[1])

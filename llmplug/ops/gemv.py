@@ -36,6 +36,17 @@ from .rms_norm import add_rms_norm_ref
 NORM_BLOCK = 1024  # elements of x + residual the norm prologue reads at a time (more raises register use)
 
 
+def norm_in_prologue(weight: torch.Tensor) -> bool:
+    """Whether :func:`add_norm_gemv` beats the norm kernel + :func:`gemv` on this weight.
+
+    The prologue saves one launch (a fixed ~1-3 us), but every program re-derives the normalised input it reads, a
+    cost that grows with the weight's size. NOTE: H200, 2026-11-22, ``benchmarks/gemv_sweep.py out.json --norm`` (us,
+    norm + gemv vs fused): 1B q/k/v 5.44 vs 4.47, 1B gate/up 22.13 vs 19.20, 8B q/k/v 15.57 vs 14.97; 8B gate/up
+    57.15 vs 59.03, lm_head (128256 rows) 1B 119.35 vs 123.32, 8B 236.0 vs 249.9. Hence up to 2^26 elements.
+    """
+    return weight.numel() <= 1 << 26
+
+
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: str = "") -> torch.Tensor:
     """Reference. ``x: (1, K)``, ``weight: (N, K)`` -> ``(1, N)``, or ``(1, N / 2)`` ``act(gate) * up`` with
     ``gated``."""

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..engine.attention import paged_attention
 from ..ops.act_mul import act_and_mul
-from ..ops.gemv import add_norm_gemv, gemv
+from ..ops.gemv import add_norm_gemv, gemv, norm_in_prologue
 from ..ops.rms_norm import add_rms_norm, rms_norm
 from ..ops.rope_store_kv import rope_store_kv
 from ..quant.linear import QuantLinear, fuse_quant_linears
@@ -152,11 +152,12 @@ class FusedDecoder:
     def _add_norm_matmul(self, linear: Linear, hidden: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module,
                          gated: str = "") -> tuple[torch.Tensor, torch.Tensor]:
         """``(linear(rms_norm(hidden + residual)), hidden + residual)``, gated when asked. One token on CUDA with a
-        plain weight: the norm runs in the GEMV's prologue (:func:`~llmplug.ops.gemv.add_norm_gemv`), one kernel
-        fewer. NOTE: see BENCHMARKS.md for the decode-step replay times with and without it."""
+        plain weight where it pays (:func:`~llmplug.ops.gemv.norm_in_prologue`): the norm runs in the GEMV's prologue
+        (:func:`~llmplug.ops.gemv.add_norm_gemv`), one kernel fewer. NOTE: H200, 2026-11-22, ``benchmarks/ab_replay.py
+        norm_gemv``: see BENCHMARKS.md."""
         eps, offset = _eps(norm), self.spec.norm_offset
         if (isinstance(linear, Dense) and hidden.shape[0] == 1 and hidden.is_cuda
-                and hidden.dtype == linear.weight.dtype):
+                and hidden.dtype == linear.weight.dtype and norm_in_prologue(linear.weight)):
             return add_norm_gemv(hidden, residual, norm.weight, eps, offset, linear.weight, linear.bias, gated=gated)
         x, residual = add_rms_norm(hidden, residual, norm.weight, eps, offset)
         return (linear.gated_matmul(x, gated) if gated else linear.matmul(x)), residual

@@ -4,7 +4,8 @@ Over a fused gate/up weight the MLP's gated activation can be applied in the epi
 gate rows and their up rows, which saves the activation kernel and its round trip. :func:`add_norm_gemv` puts the
 decoder's residual add + RMSNorm in the prologue instead: every program sums the residual, finds the row's rsqrt of
 the mean square itself (the vectors are a few KiB, read from L2/L1) and normalises each input chunk as it reads it;
-program 0 writes the new residual. That saves the norm kernel (~2 us a layer, twice a layer) and its round trip.
+program 0 writes the new residual. That saves the norm kernel (~1-3 us, twice a layer) and its round trip, where
+the weight is small enough for the repeated normalisation not to cost more (:func:`norm_in_prologue`).
 
 At batch 1 a decode step is a stream of weight reads; cuBLAS picks small-N split-K kernels for the narrower
 projections (q/k/v, o) that reach ~3.1 TB/s of an H200's ~4.25. This kernel gives every program a few whole rows
@@ -110,8 +111,7 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, eps, offset, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD_NORM: tl.constexpr, ROUND_FIRST: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
-                     INTERPRETED: tl.constexpr,
-                     PDL: tl.constexpr):
+                     INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         rows, row_mask = gemv_rows(pid, N, BLOCK_N, GATED)
         cols = tl.arange(0, BLOCK_K)

@@ -1,8 +1,9 @@
 """The fused forward shared by the Llama-like families (llama, mistral, qwen2, qwen3, gemma*, phi3).
 
-Per layer: fused residual-add + RMSNorm, one q/k/v GEMM, per-head q/k RMSNorm where the family has it, RoPE in
-place, paged attention, one gate/up GEMM, gated activation. The HF modules keep their weights (the fused q/k/v
-and gate/up weights are views shared with them), so the stock HF forward keeps working beside this one.
+Per layer: fused residual-add + RMSNorm (at one token, inside the next GEMV's prologue where that pays), one q/k/v
+GEMM, per-head q/k RMSNorm where the family has it, RoPE in place, paged attention, one gate/up GEMM, gated
+activation. The HF modules keep their weights (the fused q/k/v and gate/up weights are views shared with them), so
+the stock HF forward keeps working beside this one.
 """
 
 from __future__ import annotations

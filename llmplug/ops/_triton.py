@@ -48,7 +48,7 @@ _PDL_CAPABLE: dict[int, bool] = {}
 _pdl_scope = [False]
 
 __all__ = ["HAS_TRITON", "INTERPRET", "call_op", "cpu_kernels", "llmplug_op", "maybe_wrap", "next_pow2", "pdl_options",
-           "programmatic_launch", "round_rne", "tl", "triton", "use_triton", "wait_inputs"]
+           "programmatic_launch", "round_rne", "rounded", "tl", "triton", "use_triton", "wait_inputs"]
 
 
 def llmplug_op(name: str, mutates_args: tuple[str, ...] | str = ()):
@@ -164,6 +164,17 @@ if triton is not None:
             return tl.where(tl.abs(x) < 0.015625, tiny, normal)
         else:
             return x.to(DTYPE).to(tl.float32)
+
+
+if triton is not None:
+
+    @triton.jit
+    def rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+        """fp32 ``x`` rounded to ``DTYPE`` (nearest even) and kept in fp32: where an HF forward in ``DTYPE`` rounds an
+        intermediate, a kernel computing in fp32 rounds there too (an identity for fp32)."""
+        if INTERPRETED:
+            return round_rne(x, DTYPE)
+        return x.to(DTYPE).to(tl.float32)
 
 
 def next_pow2(n: int) -> int:

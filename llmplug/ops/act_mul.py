@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import (
+    INTERPRET,
     call_op,
     llmplug_op,
     maybe_wrap,
     next_pow2,
     pdl_options,
-    round_rne,
+    rounded,
     tl,
     triton,
     use_triton,
@@ -25,25 +26,27 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def act_and_mul_ref(gu: torch.Tensor, activation: str) -> torch.Tensor:
-    """Reference. ``gu: (T, 2N)`` -> ``(T, N)`` in ``gu.dtype``; math in fp32."""
+    """Reference. ``gu: (T, 2N)`` -> ``(T, N)`` in ``gu.dtype``; math in fp32, rounded where HF's MLP rounds:
+    ``act(gate)`` to ``gu.dtype``, then the product."""
     n = gu.shape[-1] // 2
     gate, up = gu[..., :n].float(), gu[..., n:].float()
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-    return (act * up).to(gu.dtype)
+    return (act.to(gu.dtype).float() * up).to(gu.dtype)
 
 
 if triton is not None:
 
     @triton.jit
-    def gated_act(gate, up, ACT: tl.constexpr):
-        """``act(gate) * up`` in fp32 for fp32 ``gate, up``: SiLU or GELU(tanh)."""
+    def gated_act(gate, up, ACT: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+        """``act(gate) * up`` in fp32 for fp32 ``gate, up`` (SiLU or GELU(tanh)), ``act(gate)`` rounded to ``DTYPE``
+        first as HF's MLP (``act_fn(gate_proj(x)) * up_proj(x)`` in the model dtype) rounds it."""
         if ACT == "silu":
             act = gate / (1.0 + tl.exp(-gate))
         else:  # gelu_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
             inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
             tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
             act = 0.5 * gate * (1.0 + tanh)
-        return act * up
+        return rounded(act, DTYPE, INTERPRETED) * up
 
     @triton.jit
     def store_gated(out_ptr, y, start, n_out, BLOCK_N: tl.constexpr, ACT: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -54,23 +57,23 @@ if triton is not None:
         HALF: tl.constexpr = BLOCK_N // 2
         gate, up = tl.split(tl.trans(tl.reshape(y, (2, HALF))))
         dt = out_ptr.dtype.element_ty
-        if INTERPRETED:  # the interpreter's casts truncate: round as the GPU does
-            out = round_rne(gated_act(round_rne(gate, dt), round_rne(up, dt), ACT), dt)
-        else:
-            out = gated_act(gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32), ACT)
+        out = gated_act(rounded(gate, dt, INTERPRETED), rounded(up, dt, INTERPRETED), ACT, dt, INTERPRETED)
+        out = rounded(out, dt, INTERPRETED)
         cols = start + tl.arange(0, HALF)
         tl.store(out_ptr + cols, out.to(dt), mask=cols < n_out)
 
     @triton.jit
     def _act_and_mul_kernel(gu_ptr, out_ptr, N, stride_gu, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr):
+                            INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         wait_inputs(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
         gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gu_ptr + row * stride_gu + N + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols, gated_act(gate, up, ACT).to(out_ptr.dtype.element_ty), mask=mask)
+        dt = out_ptr.dtype.element_ty
+        out = rounded(gated_act(gate, up, ACT, dt, INTERPRETED), dt, INTERPRETED)
+        tl.store(out_ptr + row * stride_out + cols, out.to(dt), mask=mask)
 
 
 @llmplug_op("act_and_mul")
@@ -85,7 +88,7 @@ def _act_and_mul_op(gu: torch.Tensor, activation: str) -> torch.Tensor:
     block = min(1024, next_pow2(n))
     grid = (rows, triton.cdiv(n, block))
     maybe_wrap(_act_and_mul_kernel)[grid](gu, out, n, gu.stride(0), out.stride(0), ACT=activation, BLOCK=block,
-                                           **pdl_options(gu))
+                                           INTERPRETED=INTERPRET, **pdl_options(gu))
     return out
 
 

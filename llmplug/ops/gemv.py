@@ -25,7 +25,7 @@ from ._triton import (
     maybe_wrap,
     next_pow2,
     pdl_options,
-    round_rne,
+    rounded,
     tl,
     triton,
     use_triton,
@@ -67,13 +67,6 @@ def add_norm_gemv_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torc
 if triton is not None:
 
     @triton.jit
-    def _rounded(v, DT: tl.constexpr, INTERPRETED: tl.constexpr):
-        """fp32 ``v`` rounded to ``DT`` (nearest even), kept in fp32."""
-        if INTERPRETED:
-            return round_rne(v, DT)
-        return v.to(DT).to(tl.float32)
-
-    @triton.jit
     def _add_norm_rstd(x_ptr, res_ptr, res_out_ptr, eps, K, pid, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
                        INTERPRETED: tl.constexpr):
         """``rsqrt(mean(s^2) + eps)`` of ``s = x + residual`` rounded to the input dtype (as ``add_rms_norm``), read
@@ -85,7 +78,7 @@ if triton is not None:
             k = step * NORM_BLOCK
             mask = (k + cols) < K
             s = tl.load(x_ptr + k + cols, mask=mask, other=0.0).to(tl.float32)
-            s = _rounded(s + tl.load(res_ptr + k + cols, mask=mask, other=0.0).to(tl.float32), dt, INTERPRETED)
+            s = rounded(s + tl.load(res_ptr + k + cols, mask=mask, other=0.0).to(tl.float32), dt, INTERPRETED)
             tl.store(res_out_ptr + k + cols, s.to(dt), mask=(k + cols) < tl.where(pid == 0, K, 0))
             squares += s * s
         return tl.rsqrt(tl.sum(squares, axis=0) / K + tl.cast(eps, tl.float32))
@@ -99,12 +92,12 @@ if triton is not None:
         mask = (k + cols) < K
         x = tl.load(x_ptr + k + cols, mask=mask, other=0.0).to(tl.float32)
         if ADD_NORM:
-            s = _rounded(x + tl.load(res_ptr + k + cols, mask=mask, other=0.0).to(tl.float32), dt, INTERPRETED)
+            s = rounded(x + tl.load(res_ptr + k + cols, mask=mask, other=0.0).to(tl.float32), dt, INTERPRETED)
             normed = s * rstd
             if ROUND_FIRST:  # HF's Llama-style RMSNorm rounds before the weight multiply
-                normed = _rounded(normed, dt, INTERPRETED)
+                normed = rounded(normed, dt, INTERPRETED)
             w = tl.load(nw_ptr + k + cols, mask=mask, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
-            x = _rounded(normed * w, dt, INTERPRETED)
+            x = rounded(normed * w, dt, INTERPRETED)
         return x
 
     @triton.jit

@@ -17,7 +17,7 @@ from ._triton import (
     maybe_wrap,
     next_pow2,
     pdl_options,
-    round_rne,
+    rounded,
     tl,
     triton,
     use_triton,
@@ -31,14 +31,17 @@ def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     r = cos.shape[-1]
     rot = x[..., :r].float()
     rotated = torch.cat((-rot[..., r // 2 :], rot[..., : r // 2]), dim=-1)
-    out = rot * cos.float()[:, None, :] + rotated * sin.float()[:, None, :]
-    return torch.cat((out.to(x.dtype), x[..., r:]), dim=-1)
+    # HF's ``q * cos + rotate_half(q) * sin`` in the model dtype: each product rounded, then the sum
+    with_cos = (rot * cos.float()[:, None, :]).to(x.dtype).float()
+    with_sin = (rotated * sin.float()[:, None, :]).to(x.dtype).float()
+    return torch.cat(((with_cos + with_sin).to(x.dtype), x[..., r:]), dim=-1)
 
 
 def apply_rope_ref(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE reference. ``q: (T, H, D)``, ``k: (T, Hkv, D)``, ``cos, sin: (T, R)`` -> rotated ``(q, k)``; fp32 math.
+    """RoPE reference. ``q: (T, H, D)``, ``k: (T, Hkv, D)``, ``cos, sin: (T, R)`` -> rotated ``(q, k)``; fp32 math,
+    rounded to the input dtype where HF's ``apply_rotary_pos_emb`` rounds (each product, then the sum).
 
     With ``h = R // 2`` and ``i < h``: ``x[i] cos[i] - x[i+h] sin[i]`` and ``x[i+h] cos[i+h] + x[i] sin[i+h]``.
     """
@@ -82,10 +85,10 @@ if triton is not None:
         x = tl.load(row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rotate = (~is_v)[:, None] & rot[None, :]
         other = tl.load(row + partner[None, :], mask=mask & rotate, other=0.0).to(tl.float32)
-        y = tl.where(rotate, x * cos[None, :] + other * sin[None, :], x)
-        if INTERPRETED:  # the interpreter's fp32 -> bf16 cast truncates
-            y = round_rne(y, q_ptr.dtype.element_ty)
-        y = y.to(q_ptr.dtype.element_ty)
+        dt = q_ptr.dtype.element_ty
+        # HF's q * cos + rotate_half(q) * sin in the model dtype: each product rounded, then the sum
+        turned = rounded(x * cos[None, :], dt, INTERPRETED) + rounded(other * sin[None, :], dt, INTERPRETED)
+        y = rounded(tl.where(rotate, turned, x), dt, INTERPRETED).to(dt)
         tl.store(row + cols[None, :], y, mask=mask & rotate)
         slot = tl.load(slot_ptr + t)
         if slot >= 0:

@@ -24,6 +24,15 @@ def test_reference_matches_torch_definition():
     assert torch.allclose(act_and_mul_ref(gu, "silu"), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounds_where_hf_rounds(dtype):
+    """HF's MLP in a 16-bit dtype rounds act(gate) before multiplying by up: the reference does too, bit for bit."""
+    gu = (torch.randn(9, 256) * 3).to(dtype)
+    gate, up = gu.chunk(2, -1)
+    assert torch.equal(act_and_mul_ref(gu, "silu"), torch.nn.functional.silu(gate) * up)
+    assert torch.equal(act_and_mul_ref(gu, "gelu_tanh"), torch.nn.functional.gelu(gate, approximate="tanh") * up)
+
+
 def test_leading_dims_and_bad_activation():
     gu = torch.randn(2, 3, 16)
     assert act_and_mul(gu).shape == (2, 3, 8)

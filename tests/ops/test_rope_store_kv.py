@@ -94,6 +94,23 @@ def test_reference_matches_hf():
         assert torch.allclose(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounds_where_hf_rounds(dtype):
+    """In 16-bit dtypes the reference and the kernel give HF's values bit for bit (each product rounded, then the
+    sum), not the closer fp32-then-round value."""
+    q, k = (torch.randn(5, h, 64).to(dtype) for h in (4, 2))
+    cos, sin = (t.to(dtype) for t in _cos_sin(5, 64))
+    want = _hf(q, k, cos, sin)
+    for got, hf in zip(apply_rope_ref(q, k, cos, sin), want, strict=True):
+        assert torch.equal(got, hf)
+    _, qk, kk, vk = _fused_qkv(5, 4, 2, 64, dtype)
+    qk.copy_(q)
+    kk.copy_(k)
+    cache, slots = _cache(5, 2, 64, dtype)
+    rope_store_kv(qk, kk, vk, cos, sin, *cache, slots)
+    assert torch.equal(qk, want[0]) and torch.equal(kk, want[1])
+
+
 def test_reference_matches_hf_partial_rotary():
     # Partial rotary as HF models do it: rotate the first R dims, pass the rest through.
     q, k = torch.randn(6, 8, 80), torch.randn(6, 2, 80)

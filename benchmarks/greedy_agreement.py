@@ -5,7 +5,10 @@ Prompts are windows of the held-out split of the stdlib corpus (``--corpus``, se
 model after ``optimize``. Reported: the fraction of prompts whose continuations are identical, and the first
 position where each differs. Issue 2 asks for >= 90% identical over 32 tokens in bf16 on the GPU.
 
-    python benchmarks/greedy_agreement.py --corpus .corpus --out agreement.json
+    python benchmarks/greedy_agreement.py --corpus .corpus --out agreement.json [--no-fuse]
+
+``--no-fuse`` optimizes with ``fuse=False`` (HF's own modules around llmplug's attention): what the fused
+projections, norms, RoPE and MLP add to the differences.
 """
 
 import argparse
@@ -32,6 +35,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--out")
+    ap.add_argument("--no-fuse", action="store_true")
     args = ap.parse_args()
     model, ids = load_trained(args)
     stride = (ids.numel() - args.prompt_len) // args.prompts
@@ -42,10 +46,10 @@ def main() -> None:
     model.set_attn_implementation("eager")
     eager = model.generate(rows, **gen)[:, args.prompt_len:]
     model.set_attn_implementation("sdpa")
-    llmplug.optimize(model)
+    llmplug.optimize(model, fuse=not args.no_fuse)
     fast = model.generate(rows, **gen)[:, args.prompt_len:]
     res = {"model": args.model, "dtype": args.dtype, "device": args.device, "prompts": args.prompts,
-           "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+           "fuse": not args.no_fuse, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "llmplug_vs_stock": row_agreement(fast, stock), "stock_eager_vs_stock_sdpa": row_agreement(eager, stock)}
     for key in ("llmplug_vs_stock", "stock_eager_vs_stock_sdpa"):
         print(f"{key}: {100 * res[key]['rows_identical']:.1f}% of {args.prompts} continuations identical over "

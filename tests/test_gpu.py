@@ -35,6 +35,26 @@ def test_decode_attention_cuda(d, h, hkv, window, softcap, dtype):
     assert_close_matmul_like(out, ref64, same)
 
 
+def test_rope_and_gated_act_round_as_hf_cuda():
+    """Compiled kernels give HF's bf16 values bit for bit (no fused multiply-add across HF's rounding points)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from llmplug.ops.act_mul import act_and_mul
+    from llmplug.ops.rope_store_kv import rope_store_kv
+
+    t, dev, bf16 = 200, "cuda", torch.bfloat16
+    q, k, v = (torch.randn(t, h, 64, dtype=bf16, device=dev) * 3 for h in (4, 2, 2))
+    cos, sin = (torch.randn(t, 64, dtype=bf16, device=dev) for _ in range(2))
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    kc = torch.zeros(t // 16 + 1, 16, 2, 64, dtype=bf16, device=dev)
+    rope_store_kv(q, k, v, cos, sin, kc, torch.zeros_like(kc), torch.arange(t, device=dev))
+    assert torch.equal(q, q_hf[0].transpose(0, 1)) and torch.equal(k, k_hf[0].transpose(0, 1))
+    gate, up = (torch.randn(t, 768, dtype=bf16, device=dev) * 3 for _ in range(2))
+    gu = torch.cat([gate, up], -1)
+    assert torch.equal(act_and_mul(gu, "silu"), torch.nn.functional.silu(gate) * up)
+    assert torch.equal(act_and_mul(gu, "gelu_tanh"), torch.nn.functional.gelu(gate, approximate="tanh") * up)
+
+
 def test_add_norm_gemv_cuda():
     """The norm in the GEMV's prologue: the residual bit for bit, the output as add_rms_norm + gemv within an ulp's
     effect (the mean square summed in another order)."""

@@ -5,10 +5,11 @@ Prompts are windows of the held-out split of the stdlib corpus (``--corpus``, se
 model after ``optimize``. Reported: the fraction of prompts whose continuations are identical, and the first
 position where each differs. Issue 2 asks for >= 90% identical over 32 tokens in bf16 on the GPU.
 
-    python benchmarks/greedy_agreement.py --corpus .corpus --out agreement.json [--no-fuse]
+    python benchmarks/greedy_agreement.py --corpus .corpus --out agreement.json [--no-fuse] [--batch 1]
 
-``--no-fuse`` optimizes with ``fuse=False`` (HF's own modules around llmplug's attention): what the fused
-projections, norms, RoPE and MLP add to the differences.
+``--batch N`` generates N prompts at a time (default: all at once; 1 takes the batch-1 decode path: GEMVs, norms in
+their prologue, CUDA graphs). ``--no-fuse`` optimizes with ``fuse=False`` (HF's own modules around llmplug's
+attention): what the fused projections, norms, RoPE and MLP add to the differences.
 """
 
 import argparse
@@ -36,20 +37,27 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--out")
     ap.add_argument("--no-fuse", action="store_true")
+    ap.add_argument("--batch", type=int, default=0)
     args = ap.parse_args()
     model, ids = load_trained(args)
     stride = (ids.numel() - args.prompt_len) // args.prompts
     rows = torch.stack([ids[i * stride: i * stride + args.prompt_len] for i in range(args.prompts)]).to(args.device)
-    gen = dict(attention_mask=torch.ones_like(rows), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-               do_sample=False)
-    stock = model.generate(rows, **gen)[:, args.prompt_len:]
+    gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    batch = args.batch or len(rows)
+
+    def generate():
+        chunks = [rows[i:i + batch] for i in range(0, len(rows), batch)]
+        out = torch.cat([model.generate(c, attention_mask=torch.ones_like(c), **gen) for c in chunks])
+        return out[:, args.prompt_len:]
+
+    stock = generate()
     model.set_attn_implementation("eager")
-    eager = model.generate(rows, **gen)[:, args.prompt_len:]
+    eager = generate()
     model.set_attn_implementation("sdpa")
     llmplug.optimize(model, fuse=not args.no_fuse)
-    fast = model.generate(rows, **gen)[:, args.prompt_len:]
+    fast = generate()
     res = {"model": args.model, "dtype": args.dtype, "device": args.device, "prompts": args.prompts,
-           "fuse": not args.no_fuse, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+           "fuse": not args.no_fuse, "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "llmplug_vs_stock": row_agreement(fast, stock), "stock_eager_vs_stock_sdpa": row_agreement(eager, stock)}
     for key in ("llmplug_vs_stock", "stock_eager_vs_stock_sdpa"):
         print(f"{key}: {100 * res[key]['rows_identical']:.1f}% of {args.prompts} continuations identical over "

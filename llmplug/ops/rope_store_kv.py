@@ -13,6 +13,7 @@ import torch
 from ._triton import (
     INTERPRET,
     call_op,
+    exact_rounding,
     llmplug_op,
     maybe_wrap,
     next_pow2,
@@ -126,8 +127,7 @@ def _rope_store_kv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         k_cache.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), HEADS=heads, BLOCK_D=block_d,
         QMAX_=QMAX[k_cache.dtype] if quantized else 0.0, IS_INT=k_cache.dtype == torch.int8, INTERPRETED=INTERPRET,
-        num_warps=max(1, min(8, heads * block_d // 256)), **pdl_options(q),
-        enable_fp_fusion=False)  # else the rounded products fuse into one bf16 FMA: HF rounds each product
+        num_warps=max(1, min(8, heads * block_d // 256)), **pdl_options(q), **exact_rounding())
 
 
 @_rope_store_kv_op.register_fake

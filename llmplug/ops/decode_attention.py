@@ -363,61 +363,24 @@ def _decode_attention_op(
     else:
         score_scale, cap_scale = scale * LOG2E, 1.0
     quant = k_scale is not None
+    scale_strides = (k_scale.stride(0), k_scale.stride(1)) if quant else (0, 0)
     maybe_wrap(_decode_attn_kernel)[(bsz, num_kv_heads, splits)](
-        q,
-        k_cache,
-        v_cache,
-        k_scale if quant else k_cache,  # placeholders, never touched
-        v_scale if quant else v_cache,
-        block_tables,
-        seq_lens,
-        out,
-        part,
-        lse,
-        score_scale,
-        cap_scale,
-        sliding_window if sliding_window > 0 else _NO_WINDOW,
-        num_heads,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        k_scale.stride(0) if quant else 0,
-        k_scale.stride(1) if quant else 0,
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        PAGE=page,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_H=max(16, next_pow2(group)),
-        BLOCK_N=block_n,
-        NUM_SPLITS=splits,
-        SOFTCAP=softcap > 0,
-        QUANT=quant,
+        q, k_cache, v_cache,
+        k_scale if quant else k_cache, v_scale if quant else v_cache,  # placeholders, never touched
+        block_tables, seq_lens, out, part, lse, score_scale, cap_scale,
+        sliding_window if sliding_window > 0 else _NO_WINDOW, num_heads, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides, block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, PAGE=page, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, next_pow2(group)),
+        BLOCK_N=block_n, NUM_SPLITS=splits, SOFTCAP=softcap > 0, QUANT=quant,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Interpreter workarounds: its tl.dot mishandles bf16 and it truncates fp32 -> bf16 casts (see ``round_rne``).
-        INTERPRETED=INTERPRET,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **pdl_options(q),
+        INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
     if splits > 1:
         maybe_wrap(_decode_attn_combine_kernel)[(bsz, num_heads)](
-            part,
-            lse,
-            out,
-            num_heads,
-            out.stride(0),
-            out.stride(1),
-            NUM_SPLITS=splits,
-            HEAD_DIM=head_dim,
-            BLOCK_S=next_pow2(splits),
-            BLOCK_D=block_d,
-            INTERPRETED=INTERPRET,
-            num_warps=1 if block_d <= 64 else 2,
+            part, lse, out, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=splits, HEAD_DIM=head_dim,
+            BLOCK_S=next_pow2(splits), BLOCK_D=block_d, INTERPRETED=INTERPRET, num_warps=1 if block_d <= 64 else 2,
             **pdl_options(q),
         )
     return out

@@ -254,8 +254,7 @@ class ModelRunner:
         state = [buf[k] for k in ("unfinished", "eos", "pad", "ring", "input_ids", "positions", "counters")]
 
         def step():
-            positions, meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
-            logits = self.forward(buf["input_ids"], positions, meta, None)
+            logits = self._decode_forward(buf)
             if processors is None:
                 with programmatic_launch():
                     greedy_step(logits, *state)
@@ -276,12 +275,12 @@ class ModelRunner:
 
     def _capture_decode(self, bucket: int):
         buf = self._buffers(bucket, bucket)
+        return self._capture(("decode", bucket), buf, lambda: self._decode_forward(buf))
 
-        def step():
-            positions, meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
-            return self.forward(buf["input_ids"], positions, meta, None)
-
-        return self._capture(("decode", bucket), buf, step)
+    def _decode_forward(self, buf: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One decode step on a graph's buffers (``input_ids``, ``positions``, ``block_tables``) -> logits."""
+        positions, meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
+        return self.forward(buf["input_ids"], positions, meta, None)
 
     def _capture_prefill(self, tokens: int):
         dev = self.device

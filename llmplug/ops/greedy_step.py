@@ -63,8 +63,9 @@ if triton is not None:
 
     @triton.jit
     def _greedy_update_kernel(vals_ptr, idx_ptr, unf_ptr, eos_ptr, pad_ptr, ring_ptr, ids_ptr, pos_ptr, cnt_ptr, B,
-                              S, R, NUM_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr,
-                              PDL: tl.constexpr):
+                              S, R, CHOSEN: tl.constexpr, NUM_EOS: tl.constexpr, BLOCK_B: tl.constexpr,
+                              BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+        # CHOSEN: idx_ptr holds each row's token (B,) int64, vals_ptr is unused; else the (B, S) partial maxima
         wait_inputs(PDL)
         step = tl.load(cnt_ptr)
         n_tokens = tl.load(cnt_ptr + 1)
@@ -75,13 +76,16 @@ if triton is not None:
         for b0 in range(0, B, BLOCK_B):
             rows = b0 + tl.arange(0, BLOCK_B)
             row_mask = rows < B
-            mask = row_mask[:, None] & (parts < S)[None, :]
-            offs = rows[:, None] * S + parts[None, :]
-            vals = tl.load(vals_ptr + offs, mask=mask, other=float("-inf"))
-            idx = tl.load(idx_ptr + offs, mask=mask, other=2147483647)
-            best = tl.max(vals, axis=1)
-            # partial p covers lower columns than p + 1, so the smallest index among the maxima is the first maximum
-            first = tl.min(tl.where(vals == best[:, None], idx, 2147483647), axis=1)
+            if CHOSEN:
+                first = tl.load(idx_ptr + rows, mask=row_mask, other=0)
+            else:
+                mask = row_mask[:, None] & (parts < S)[None, :]
+                offs = rows[:, None] * S + parts[None, :]
+                vals = tl.load(vals_ptr + offs, mask=mask, other=float("-inf"))
+                idx = tl.load(idx_ptr + offs, mask=mask, other=2147483647)
+                best = tl.max(vals, axis=1)
+                # partial p covers lower columns than p + 1, so the smallest index among the maxima is the first one
+                first = tl.min(tl.where(vals == best[:, None], idx, 2147483647), axis=1)
             unf = tl.load(unf_ptr + rows, mask=row_mask, other=0).to(tl.int32)
             nxt = tl.where(unf != 0, first.to(tl.int64), pad)
             hit = tl.max((nxt[:, None] == eos[None, :]).to(tl.int32), axis=1)
@@ -111,7 +115,7 @@ def _greedy_step_op(logits: torch.Tensor, unfinished: torch.Tensor, eos: torch.T
     pdl = pdl_options(logits)
     maybe_wrap(_argmax_partial_kernel)[(rows, parts)](logits, vals, idx, vocab, logits.stride(0), parts, BLOCK=block,
                                                       num_warps=4, **pdl)
-    _launch_update(vals, idx, unfinished, eos, pad, ring, input_ids, positions, counters, pdl)
+    _launch_update(vals, idx, unfinished, eos, pad, ring, input_ids, positions, counters, pdl, chosen=False)
 
 
 @_greedy_step_op.register_fake
@@ -119,13 +123,15 @@ def _(logits, unfinished, eos, pad, ring, input_ids, positions, counters):
     return None
 
 
-def _launch_update(vals, idx, unfinished, eos, pad, ring, input_ids, positions, counters, pdl: dict) -> None:
-    rows, parts = vals.shape
+def _launch_update(vals, idx, unfinished, eos, pad, ring, input_ids, positions, counters, pdl: dict,
+                   chosen: bool) -> None:
+    """The state update: from the partial maxima ``vals, idx (B, S)``, or (``chosen``) from tokens ``idx (B,)``."""
+    rows, parts = (idx.shape[0], 1) if chosen else vals.shape
     block_s = next_pow2(parts)
     block_b = max(1, min(next_pow2(rows), 8192 // block_s))
     maybe_wrap(_greedy_update_kernel)[(1,)](vals, idx, unfinished, eos, pad, ring, input_ids, positions, counters,
-                                            rows, parts, ring.shape[1], NUM_EOS=eos.numel(), BLOCK_B=block_b,
-                                            BLOCK_S=block_s, num_warps=4, **pdl)
+                                            rows, parts, ring.shape[1], CHOSEN=chosen, NUM_EOS=eos.numel(),
+                                            BLOCK_B=block_b, BLOCK_S=block_s, num_warps=4, **pdl)
 
 
 @llmplug_op("advance_step", mutates_args=("unfinished", "ring", "input_ids", "positions", "counters"))
@@ -135,10 +141,9 @@ def _advance_step_op(tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.
     if not use_triton(tokens):
         advance_step_ref(tokens, unfinished, eos, pad, ring, input_ids, positions, counters)
         return
-    assert ring.is_contiguous() and eos.numel() == next_pow2(eos.numel())
-    vals = torch.zeros((tokens.shape[0], 1), dtype=torch.float32, device=tokens.device)  # one "partial" a row
-    _launch_update(vals, tokens.to(torch.int32)[:, None], unfinished, eos, pad, ring, input_ids, positions, counters,
-                   pdl_options(tokens))
+    assert ring.is_contiguous() and tokens.is_contiguous() and eos.numel() == next_pow2(eos.numel())
+    _launch_update(tokens, tokens, unfinished, eos, pad, ring, input_ids, positions, counters, pdl_options(tokens),
+                   chosen=True)  # vals: a placeholder, never read
 
 
 @_advance_step_op.register_fake

@@ -4,10 +4,10 @@
 :mod:`llmplug.quant.formats` (``qweight (N, K // 2) uint8``, each group's first half in the low nibbles, its second
 half in the high nibbles). No dequantised copy of the model is kept:
 
-* the GEMV (one token) reads the weights as int32 words; two masks a word put every nibble in a byte of its own and
-  one ``prmt`` a value turns it into ``128 + q`` in float32 (:func:`nibble_pair_f32`); per group it sums
-  ``s * (sum((128 + q) * x) - (128 + z) * sum(x))`` so the zero point and the offset cost one multiply per word, and
-  it loads the next step's weights before doing this step's math (two steps of loads in flight);
+* the GEMV (one token) reads the weights as int32 words and decodes each nibble to ``128 + q`` in float32 with one
+  shift and one bitwise op (:func:`nibble_f32`); per group it sums ``s * (sum((128 + q) * x) - (128 + z) * sum(x))``
+  so the zero point and the offset cost one multiply per word, and it loads the next step's weights before doing
+  this step's math (two steps of loads in flight);
 * the GEMM dequantises one group of a weight tile in registers and runs two tensor-core dots per group (the low
   and the high halves pair with two contiguous slices of ``x``); with 16-bit activations on the GPU the
   dequantisation works on packed pairs in PTX (:func:`dequant_pairs`), about two values an instruction;
@@ -89,13 +89,12 @@ if triton is not None:
     def _w4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_sn,
                         stride_om, magic, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
-                        INTERPRETED: tl.constexpr):
+                        INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         # qweight read as int32 words: word t of a group's row holds bytes 4t..4t+3, i.e. the low nibbles of
         # elements 4t..4t+3 and the high nibbles of elements HALF+4t..HALF+4t+3 (byte b at bits 8b). Per (row, group,
         # word) the eight products chain onto -(128 + z) * (their eight x summed), and the sum is scaled once:
         # s * sum((q - z) * x). About 2.6 instructions a weight (and, shared by a thread's rows, the x loads).
-        # EVEN: N and the group count divide by the tile. GATED: see gemv_rows. Launched without programmatic
-        # dependent launch (see _w4_linear_op).
+        # EVEN: N and the group count divide by the tile. GATED: see gemv_rows.
         GPS: tl.constexpr = GROUPS_PER_STEP
         WORDS: tl.constexpr = GROUP // 8
         HALF: tl.constexpr = GROUP // 2
@@ -111,8 +110,10 @@ if triton is not None:
         x_ptrs = x_ptr + m * stride_xm + (gi * GROUP)[:, None] + 4 * t[None, :]  # (GPS, WORDS): x[4t] of each group
         magic = tl.zeros((BLOCK_N, GPS, WORDS), dtype=tl.int32) + magic  # a register, so prmt takes its selector inline
         acc = tl.zeros((BLOCK_N, GPS, WORDS), dtype=tl.float32)
+        # the first step's weights are read before waiting for x (under PDL, while the previous kernel finishes);
         # each step loads the next step's weights before its own math, so two steps are in flight
         w = tl.load(q_ptrs, mask=(row_mask[:, None] & (gi < num_groups)[None, :])[:, :, None], other=0)
+        wait_inputs(PDL)
         for g0 in range(0, num_groups, GPS):
             g_mask = (g0 + gi) < num_groups
             next_mask = ((g0 + GPS + gi) < num_groups)[None, :]
@@ -367,13 +368,8 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     b = bias if bias is not None else scales
     common = dict(HAS_BIAS=bias is not None, GROUP=group_size, BLOCK_N=block_n, INTERPRETED=INTERPRET,
-                  num_warps=num_warps, num_stages=num_stages)
+                  num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
     if block_m == 1:  # the GEMV applies the gate in its epilogue: a program's rows are gate rows and their up rows
-        # NOTE: no programmatic dependent launch for the GEMV. H100, 2026-11-22, 8B int4 decode graph replay
-        # (scratch A/B, see BENCHMARKS.md): 3.685 ms with it, 3.065 without; triggering the next kernel only after
-        # the main loop gave 3.147. Presumably the next kernel's programs, started early and waiting, take issue
-        # slots from this GEMV, which is bound by instruction issue more than the others (ncu on its predecessor:
-        # ~55% issue-active against 20-38% for the bf16 and int8 GEMVs, which gain from the early start instead).
         assert not gated or (n % 2 == 0 and block_n % 2 == 0), "gated GEMV layout"
         out = x.new_empty((m, n // 2 if gated else n))
         words = qweight.view(torch.int32)
@@ -389,7 +385,7 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         x, qweight, scales, zeros, b, dest, m, n, k, per_split, x.stride(0), qweight.stride(0), scales.stride(0),
         out.stride(0), BLOCK_M=block_m, SPLIT_K=split, GROUP_M=8,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PACKED_DEQUANT=packed_dequant(x, scales, zeros), **common, **pdl_options(x))
+        PACKED_DEQUANT=packed_dequant(x, scales, zeros), **common)
     out = out if split == 1 else split_k_reduce(dest, bias, out)
     return act_and_mul(out, gated) if gated else out
 

@@ -46,7 +46,6 @@ from ._triton import (
     use_triton,
     wait_inputs,
 )
-from .act_mul import ACTIVATIONS, act_and_mul
 
 
 def w4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -67,99 +66,57 @@ if triton is not None:
         """``128 +`` the nibble at bit ``SHIFT`` of each int32 word, exactly, as float32."""
         return field_f32(w, SHIFT, 4, 7)
 
-    NIBBLES = tl.constexpr(0x0F0F0F0F)
-    NIBBLE_MAGIC = 0x43000000  # float32 bits of 128: a value v < 128 placed at bits 16-23 reads 128 + v
-
-    @triton.jit
-    def nibble_pair_f32(w, lo, hi, magic, B: tl.constexpr, ASM: tl.constexpr):
-        """``(128 + low nibble, 128 + high nibble)`` of byte ``B`` of each int32 word ``w``, exactly, as float32.
-
-        On the GPU ``lo = w & 0x0F0F0F0F`` and ``hi = (w >> 4) & 0x0F0F0F0F`` hold every nibble in a byte of its own
-        and one ``prmt`` a value builds the word ``[0, 0, nibble, 0x43]`` (``magic`` holds ``NIBBLE_MAGIC``); the
-        interpreter computes the same bits with a shift and a mask (:func:`nibble_f32`)."""
-        if ASM:  # prmt selector: result bytes (low first) = magic's byte 0 twice, the source's byte B, magic's byte 3
-            a = tl.inline_asm_elementwise(asm=f"prmt.b32 $0, $1, $2, 0x7{B}44;", constraints="=r,r,r",
-                                          args=[lo, magic], dtype=tl.float32, is_pure=True, pack=1)
-            b = tl.inline_asm_elementwise(asm=f"prmt.b32 $0, $1, $2, 0x7{B}44;", constraints="=r,r,r",
-                                          args=[hi, magic], dtype=tl.float32, is_pure=True, pack=1)
-            return a, b
-        return nibble_f32(w, 8 * B), nibble_f32(w, 8 * B + 4)
-
     @triton.jit
     def _w4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_sn,
-                        stride_om, magic, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
-                        INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                        stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUPS_PER_STEP: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         # qweight read as int32 words: word t of a group's row holds bytes 4t..4t+3, i.e. the low nibbles of
-        # elements 4t..4t+3 and the high nibbles of elements HALF+4t..HALF+4t+3 (byte b at bits 8b). Per (row, group,
-        # word) the eight products chain onto -(128 + z) * (their eight x summed), and the sum is scaled once:
-        # s * sum((q - z) * x). About 2.6 instructions a weight (and, shared by a thread's rows, the x loads).
-        # EVEN: N and the group count divide by the tile. GATED: see gemv_rows.
+        # elements 4t..4t+3 and the high nibbles of elements HALF+4t..HALF+4t+3 (byte b at bits 8b).
         GPS: tl.constexpr = GROUPS_PER_STEP
         WORDS: tl.constexpr = GROUP // 8
         HALF: tl.constexpr = GROUP // 2
         num_groups = K // GROUP
         m = tl.program_id(0)
         pid = tl.program_id(1)
-        rows, row_mask = gemv_rows(pid, N, BLOCK_N, GATED)
+        rows, row_mask = gemv_rows(pid, N, BLOCK_N, "")
         gi = tl.arange(0, GPS)
         t = tl.arange(0, WORDS)
-        r64 = rows.to(tl.int64)
-        q_ptrs = q_ptr + r64[:, None, None] * stride_qn + (gi * WORDS)[None, :, None] + t[None, None, :]
-        sz = r64[:, None] * stride_sn + gi[None, :]
-        x_ptrs = x_ptr + m * stride_xm + (gi * GROUP)[:, None] + 4 * t[None, :]  # (GPS, WORDS): x[4t] of each group
-        magic = tl.zeros((BLOCK_N, GPS, WORDS), dtype=tl.int32) + magic  # a register, so prmt takes its selector inline
+        q_ptrs = q_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + (gi * WORDS)[None, :, None] + t[None, None, :]
+        s_ptrs = s_ptr + rows.to(tl.int64)[:, None] * stride_sn + gi[None, :]
+        z_ptrs = z_ptr + rows.to(tl.int64)[:, None] * stride_sn + gi[None, :]
+        x_ptrs = x_ptr + m * stride_xm + (gi * GROUP)[:, None, None] + 4 * t[None, :, None] + tl.arange(0, 4)
+        # per (row, group, word): s * (sum((128 + q) * x) - (128 + z) * sum(x)), reduced once at the end
         acc = tl.zeros((BLOCK_N, GPS, WORDS), dtype=tl.float32)
-        # the first step's weights are read before waiting for x (under PDL, while the previous kernel finishes);
-        # each step loads the next step's weights before its own math, so two steps are in flight
-        w = tl.load(q_ptrs, mask=(row_mask[:, None] & (gi < num_groups)[None, :])[:, :, None], other=0)
-        wait_inputs(PDL)
+        mask2 = row_mask[:, None] & (gi < num_groups)[None, :]
+        w = tl.load(q_ptrs, mask=mask2[:, :, None], other=0)
+        s = tl.load(s_ptrs, mask=mask2, other=0.0)
+        z = tl.load(z_ptrs, mask=mask2, other=0.0)
+        wait_inputs(PDL)  # the first step's weights are in flight; x comes from the previous kernel
         for g0 in range(0, num_groups, GPS):
+            # the next step's weights, scales and zeros are loaded before this step's math: two steps in flight
             g_mask = (g0 + gi) < num_groups
-            next_mask = ((g0 + GPS + gi) < num_groups)[None, :]
-            if not EVEN:
-                next_mask = next_mask & row_mask[:, None]
+            next_mask = row_mask[:, None] & ((g0 + GPS + gi) < num_groups)[None, :]
             w_next = tl.load(q_ptrs + (g0 + GPS) * WORDS, mask=next_mask[:, :, None], other=0)
-            if EVEN:
-                s = tl.load(s_ptr + sz + g0).to(tl.float32)
-                z = tl.load(z_ptr + sz + g0).to(tl.float32)
-                x0 = tl.load(x_ptrs + g0 * GROUP).to(tl.float32)
-                x1 = tl.load(x_ptrs + g0 * GROUP + 1).to(tl.float32)
-                x2 = tl.load(x_ptrs + g0 * GROUP + 2).to(tl.float32)
-                x3 = tl.load(x_ptrs + g0 * GROUP + 3).to(tl.float32)
-                h0 = tl.load(x_ptrs + g0 * GROUP + HALF).to(tl.float32)
-                h1 = tl.load(x_ptrs + g0 * GROUP + HALF + 1).to(tl.float32)
-                h2 = tl.load(x_ptrs + g0 * GROUP + HALF + 2).to(tl.float32)
-                h3 = tl.load(x_ptrs + g0 * GROUP + HALF + 3).to(tl.float32)
-            else:
-                sz_mask = row_mask[:, None] & g_mask[None, :]
-                s = tl.load(s_ptr + sz + g0, mask=sz_mask, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + sz + g0, mask=sz_mask, other=0.0).to(tl.float32)
-                xm = g_mask[:, None]
-                x0 = tl.load(x_ptrs + g0 * GROUP, mask=xm, other=0.0).to(tl.float32)
-                x1 = tl.load(x_ptrs + g0 * GROUP + 1, mask=xm, other=0.0).to(tl.float32)
-                x2 = tl.load(x_ptrs + g0 * GROUP + 2, mask=xm, other=0.0).to(tl.float32)
-                x3 = tl.load(x_ptrs + g0 * GROUP + 3, mask=xm, other=0.0).to(tl.float32)
-                h0 = tl.load(x_ptrs + g0 * GROUP + HALF, mask=xm, other=0.0).to(tl.float32)
-                h1 = tl.load(x_ptrs + g0 * GROUP + HALF + 1, mask=xm, other=0.0).to(tl.float32)
-                h2 = tl.load(x_ptrs + g0 * GROUP + HALF + 2, mask=xm, other=0.0).to(tl.float32)
-                h3 = tl.load(x_ptrs + g0 * GROUP + HALF + 3, mask=xm, other=0.0).to(tl.float32)
-            lo = w & NIBBLES
-            hi = (w >> 4) & NIBBLES
-            x_sum = ((x0 + x1) + (x2 + x3)) + ((h0 + h1) + (h2 + h3))
-            part = x_sum[None] * (-128.0 - z)[:, :, None]
-            a, b = nibble_pair_f32(w, lo, hi, magic, 0, ASM)
-            part = tl.fma(b, h0[None], tl.fma(a, x0[None], part))
-            a, b = nibble_pair_f32(w, lo, hi, magic, 1, ASM)
-            part = tl.fma(b, h1[None], tl.fma(a, x1[None], part))
-            a, b = nibble_pair_f32(w, lo, hi, magic, 2, ASM)
-            part = tl.fma(b, h2[None], tl.fma(a, x2[None], part))
-            a, b = nibble_pair_f32(w, lo, hi, magic, 3, ASM)
-            part = tl.fma(b, h3[None], tl.fma(a, x3[None], part))
-            acc = tl.fma(s[:, :, None], part, acc)
-            w = w_next
+            s_next = tl.load(s_ptrs + g0 + GPS, mask=next_mask, other=0.0)
+            z_next = tl.load(z_ptrs + g0 + GPS, mask=next_mask, other=0.0)
+            x_lo = tl.load(x_ptrs + g0 * GROUP, mask=g_mask[:, None, None], other=0.0).to(tl.float32)
+            x_hi = tl.load(x_ptrs + g0 * GROUP + HALF, mask=g_mask[:, None, None], other=0.0).to(tl.float32)
+            lo02, lo13 = tl.split(tl.reshape(x_lo, (GPS, WORDS, 2, 2)))  # (GPS, WORDS, 4) -> x[4t + b], b = 0..3
+            lo0, lo2 = tl.split(lo02)
+            lo1, lo3 = tl.split(lo13)
+            hi02, hi13 = tl.split(tl.reshape(x_hi, (GPS, WORDS, 2, 2)))
+            hi0, hi2 = tl.split(hi02)
+            hi1, hi3 = tl.split(hi13)
+            part = nibble_f32(w, 0) * lo0[None] + nibble_f32(w, 4) * hi0[None]
+            part += nibble_f32(w, 8) * lo1[None] + nibble_f32(w, 12) * hi1[None]
+            part += nibble_f32(w, 16) * lo2[None] + nibble_f32(w, 20) * hi2[None]
+            part += nibble_f32(w, 24) * lo3[None] + nibble_f32(w, 28) * hi3[None]
+            x_sum = (lo0 + lo1) + (lo2 + lo3) + (hi0 + hi1) + (hi2 + hi3)
+            z128 = z.to(tl.float32) + 128.0
+            acc += s.to(tl.float32)[:, :, None] * (part - z128[:, :, None] * x_sum[None])
+            w, s, z = w_next, s_next, z_next
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
-        store_rows(out_ptr + m * stride_om, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS, GATED, BLOCK_N, INTERPRETED)
+        store_rows(out_ptr + m * stride_om, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS, "", BLOCK_N, INTERPRETED)
 
     def _dequant_asm(magic: str, suffix: str) -> tl.constexpr:
         """PTX for :func:`dequant_pairs` on four bytes: ``$4`` the bytes, ``$5, $6`` the zero points (plus the
@@ -300,19 +257,17 @@ def choose_config(m: int, n: int, k: int, group_size: int, packed: bool = True, 
     one group, so its pipeline depth (and, for wide groups of fp32 activations, BLOCK_M) shrinks to fit ``smem``
     bytes of shared memory given ``x_bytes`` per activation.
 
-    NOTE: H100, 2026-11-22, ``benchmarks/quant_chain.py`` (one token, chains of launches with programmatic dependent
-    launch over rotating weights), us for 8B qkv / o / gate_up / down: the prmt GEMV with 8 rows and 512 values a
-    step (4 warps) where N > K, 16 rows and 1024 (8 warps) otherwise: 11.5 / 7.9 / 34.4 / 24.3; before, the
-    shift-and-mask GEMV for qkv / o 12.3 / 7.9 and the packed-dequant GEMM (16, 64 | 32) for gate_up / down 49.4 /
-    22.3 -- hence the GEMM only for deep shapes (down). More tokens, ``benchmarks/quant_sweep.py`` (isolated graph
-    replays; cuBLAS bf16 in brackets): 16 tokens on the GEMM 12.3 / 9.5 / 36.8 / 23.3 [20.8 / 16.0 / 82.6 / 49.5];
-    64 tokens (64, 64) 24.9 / 16.6 / 69.7 / 47.0 [20.6 / 14.7 / 86.9 / 46.2]; 256 tokens (128, 64) 53.8 / 40.8 /
-    204.2 / 124.6 [23.6 / 19.1 / 101.6 / 59.0].
+    NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
+    bf16 in brackets; history in BENCHMARKS.md). One token, word GEMV (16 rows, 4 groups, 4 warps wide; 8 groups, 8
+    warps deep or narrow): 12.2 / 8.4 / 39.6 / 25.0 [20.3 / 15.4 / 81.4 / 43.5]. Packed-dequant GEMM: 16 tokens
+    (16, 64 | 32) 12.3 / 9.5 / 36.8 / 23.3 [20.8 / 16.0 / 82.6 / 49.5] -- hence one token on gate_up- and down-like
+    shapes goes there too; 64 tokens (64, 64) 24.9 / 16.6 / 69.7 / 47.0 [20.6 / 14.7 / 86.9 / 46.2]; 256 tokens
+    (128, 64) 53.8 / 40.8 / 204.2 / 124.6 [23.6 / 19.1 / 101.6 / 59.0].
     """
-    if m == 1 and not (packed and k >= 2 * n):
-        if n > k:
-            return (1, 8, max(1, 512 // group_size), 4, 1, 1)
-        return (1, 16, max(1, 1024 // group_size), 8, 1, 1)
+    if m == 1 and not (packed and (n >= 4 * k or k >= 2 * n)):
+        if k > n or n <= 4096:
+            return (1, 16, max(1, 1024 // group_size), 8, 1, 1)
+        return (1, 16, max(1, 512 // group_size), 4, 1, 1)
     if m <= 16:
         block_m, block_n, warps, stages = 16, 64 if n > k else 32, 4, 4
     elif m <= 64:
@@ -358,27 +313,23 @@ def w4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 
 @llmplug_op("w4_linear")
 def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  group_size: int, bias: torch.Tensor | None, gated: str, block_m: int, block_n: int,
+                  group_size: int, bias: torch.Tensor | None, block_m: int, block_n: int,
                   groups_per_step: int, num_warps: int, num_stages: int, split_k: int) -> torch.Tensor:
     if not use_triton(x):
-        y = w4_linear_ref(x, qweight, scales, zeros, group_size, bias)
-        return act_and_mul(y, gated) if gated else y
+        return w4_linear_ref(x, qweight, scales, zeros, group_size, bias)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
     m = x.shape[0]
     n, k = qweight.shape[0], 2 * qweight.shape[1]
+    out = x.new_empty((m, n))
     b = bias if bias is not None else scales
     common = dict(HAS_BIAS=bias is not None, GROUP=group_size, BLOCK_N=block_n, INTERPRETED=INTERPRET,
                   num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
-    if block_m == 1:  # the GEMV applies the gate in its epilogue: a program's rows are gate rows and their up rows
-        assert not gated or (n % 2 == 0 and block_n % 2 == 0), "gated GEMV layout"
-        out = x.new_empty((m, n // 2 if gated else n))
+    if block_m == 1:
         words = qweight.view(torch.int32)
         maybe_wrap(_w4_gemv_kernel)[(m, triton.cdiv(n, block_n))](
             x, words, scales, zeros, b, out, n, k, x.stride(0), words.stride(0), scales.stride(0), out.stride(0),
-            NIBBLE_MAGIC, GATED=gated, GROUPS_PER_STEP=groups_per_step,
-            EVEN=n % block_n == 0 and (k // group_size) % groups_per_step == 0, ASM=not INTERPRET, **common)
+            GROUPS_PER_STEP=groups_per_step, **common)
         return out
-    out = x.new_empty((m, n))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     per_split, split, dest = split_k_plan(split_k, tiles, k // group_size, out)
     maybe_wrap(_w4_gemm_kernel)[(tiles, split)](
@@ -386,19 +337,18 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         out.stride(0), BLOCK_M=block_m, SPLIT_K=split, GROUP_M=8,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PACKED_DEQUANT=packed_dequant(x, scales, zeros), **common)
-    out = out if split == 1 else split_k_reduce(dest, bias, out)
-    return act_and_mul(out, gated) if gated else out
+    return out if split == 1 else split_k_reduce(dest, bias, out)
 
 
 @_w4_linear_op.register_fake
-def _(x, qweight, scales, zeros, group_size, bias, gated, block_m, block_n, groups_per_step, num_warps,
+def _(x, qweight, scales, zeros, group_size, bias, block_m, block_n, groups_per_step, num_warps,
       num_stages, split_k):
-    return x.new_empty((x.shape[0], qweight.shape[0] // 2 if gated else qweight.shape[0]))
+    return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None, config: tuple[int, int, int, int, int, int] | None = None,
-              gated: str = "") -> torch.Tensor:
+              bias: torch.Tensor | None = None,
+              config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the packed int4 ``W`` without materialising it.
 
     Args:
@@ -409,17 +359,11 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         bias: optional ``(N,)``.
         config: ``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K)`` for the fused kernels;
             default: dequantise + cuBLAS from ``DENSE_MIN_TOKENS`` rows on the GPU, else :func:`choose_config`.
-        gated: ``""``, or ``"silu"`` / ``"gelu_tanh"`` for a fused gate/up weight (gate rows, then up rows): returns
-            ``act(y[:, :N/2]) * y[:, N/2:]`` (as :func:`~llmplug.ops.act_mul.act_and_mul` of the product), in the
-            one-token GEMV's epilogue.
 
     Returns:
-        ``(M, N)`` in ``x.dtype``, ``(M, N / 2)`` when gated.
+        ``(M, N)`` in ``x.dtype``.
     """
     n, half = qweight.shape
-    if gated and (gated not in ACTIVATIONS or n % 2):
-        raise ValueError(f"gated={gated!r} needs one of {ACTIVATIONS} and an even number of rows (gate then up), "
-                         f"got {n}")
     k = 2 * half
     if qweight.dtype != torch.uint8:
         raise ValueError(f"qweight.dtype={qweight.dtype} must be torch.uint8 (two int4 values a byte)")
@@ -431,11 +375,8 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         raise ValueError(f"scales and zeros must be ({n}, {k // group_size}), got {tuple(scales.shape)} and "
                          f"{tuple(zeros.shape)}")
     if config is None and dense_path(x, DENSE_MIN_TOKENS):
-        y = F.linear(x, w4_dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
-        return act_and_mul(y, gated) if gated else y
+        return F.linear(x, w4_dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
     config = config or choose_config(x.shape[0], n, k, group_size, packed=packed_dequant(x, scales, zeros),
                                      x_bytes=x.element_size(), smem=smem_bytes(x.device))
-    if gated and config[0] == 1 and config[1] % 2:
-        config = (config[0], 2 * config[1], *config[2:])
     return call_op(_w4_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,
-                   gated, *config)
+                   *config)

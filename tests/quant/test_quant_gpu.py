@@ -18,8 +18,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(28672, 4096), (16384, 2048), (38, 4100)])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_gated_gemvs_equal_product_then_act_and_mul(n, k, activation):
-    """The one-token GEMVs' gated epilogue gives act_and_mul of their plain output, bit for bit (bf16, int8, fp8,
-    int4)."""
+    """The one-token GEMVs' gated epilogue gives act_and_mul of their plain output, bit for bit (bf16, int8, fp8)."""
     from llmplug.ops.act_mul import act_and_mul
     from llmplug.ops.gemv import gemv
 
@@ -28,9 +27,6 @@ def test_gated_gemvs_equal_product_then_act_and_mul(n, k, activation):
     assert torch.equal(gemv(x, w, gated=activation), act_and_mul(gemv(x, w), activation))
     for q in (quantize_int8(w), quantize_fp8(w)):
         assert torch.equal(w8_linear(x, *q, gated=activation), act_and_mul(w8_linear(x, *q), activation))
-    if k % 128 == 0:
-        q4 = quantize_int4(w, 128)
-        assert torch.equal(w4_linear(x, *q4, 128, gated=activation), act_and_mul(w4_linear(x, *q4, 128), activation))
 
 
 @pytest.mark.parametrize("m", [1, 3, 16, 64, 300, DENSE_MIN_TOKENS + 5, W8_DENSE_MIN_TOKENS + 3])

@@ -84,25 +84,6 @@ def test_w8_configs(config):
     torch.testing.assert_close(w8_linear(x, q, s, config=config), w8_linear_ref(x, q, s), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("n,k", [(38, 256), (40, 1152)])  # even tiles or not
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("m", [1, 5])
-def test_w4_gated(n, k, activation, m):
-    """int4 gated=act: one token in the GEMV's epilogue, more after the GEMM; the bias is added before the gate."""
-    w, x = torch.randn(n, k), torch.randn(m, k, dtype=torch.bfloat16)
-    q, s, z = quantize_int4(w, 64)
-    for bias in (None, torch.randn(n, dtype=x.dtype)):
-        out = w4_linear(x, q, s, z, 64, bias, gated=activation)
-        assert out.shape == (m, n // 2) and out.dtype == x.dtype
-        same_product = act_and_mul_ref(w4_linear(x, q, s, z, 64, bias), activation)
-        torch.testing.assert_close(out, same_product, rtol=0, atol=0)
-        assert sqnr_db(act_and_mul_ref(w4_linear_ref(x, q, s, z, 64, bias), activation), out) >= KERNEL_VS_REF_SQNR_DB
-    with pytest.raises(ValueError, match="gated"):
-        w4_linear(x, q, s, z, 64, gated="relu")
-    with pytest.raises(ValueError, match="even"):
-        w4_linear(x, q[1:], s[1:], z[1:], 64, gated=activation)
-
-
 @pytest.mark.parametrize("n,k", [(38, 256), (22, 90), (40, 1100)])  # words (even tiles or not), bytes (K % 4)
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])

@@ -176,9 +176,6 @@ if triton is not None:
         else:
             return x.to(DTYPE).to(tl.float32)
 
-
-if triton is not None:
-
     @triton.jit
     def rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
         """fp32 ``x`` rounded to ``DTYPE`` (nearest even) and kept in fp32: where an HF forward in ``DTYPE`` rounds an

@@ -32,7 +32,7 @@ from ._triton import (
     wait_inputs,
 )
 from .act_mul import ACTIVATIONS, act_and_mul_ref
-from .rms_norm import add_rms_norm_ref
+from .rms_norm import add_rms_norm_ref, rms_scale
 
 NORM_BLOCK = 1024  # elements of x + residual the norm prologue reads at a time (more raises register use)
 
@@ -93,11 +93,8 @@ if triton is not None:
         x = tl.load(x_ptr + k + cols, mask=mask, other=0.0).to(tl.float32)
         if ADD_NORM:
             s = rounded(x + tl.load(res_ptr + k + cols, mask=mask, other=0.0).to(tl.float32), dt, INTERPRETED)
-            normed = s * rstd
-            if ROUND_FIRST:  # HF's Llama-style RMSNorm rounds before the weight multiply
-                normed = rounded(normed, dt, INTERPRETED)
             w = tl.load(nw_ptr + k + cols, mask=mask, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
-            x = rounded(normed * w, dt, INTERPRETED)
+            x = rms_scale(s, rstd, w, dt, ROUND_FIRST, INTERPRETED)
         return x
 
     @triton.jit

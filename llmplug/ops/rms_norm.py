@@ -15,7 +15,7 @@ from ._triton import (
     maybe_wrap,
     next_pow2,
     pdl_options,
-    round_rne,
+    rounded,
     tl,
     triton,
     use_triton,
@@ -47,6 +47,15 @@ def add_rms_norm_ref(
 if triton is not None:
 
     @triton.jit
+    def rms_scale(x, rstd, w, DTYPE: tl.constexpr, ROUND_FIRST: tl.constexpr, INTERPRETED: tl.constexpr):
+        """The RMSNorm output ``x * rstd * w`` (fp32 operands, broadcastable) rounded where HF's norm rounds: after
+        the normalisation when ``ROUND_FIRST`` (Llama style), and the result, to ``DTYPE``; kept in fp32."""
+        normed = x * rstd
+        if ROUND_FIRST:  # HF's Llama-style RMSNorm rounds before the weight multiply
+            normed = rounded(normed, DTYPE, INTERPRETED)
+        return rounded(normed * w, DTYPE, INTERPRETED)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner, N, stride_xo, stride_xi,
                          stride_res, eps, offset, HAS_RESIDUAL: tl.constexpr, ROUND_FIRST: tl.constexpr,
                          INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -68,13 +77,9 @@ if triton is not None:
             x = summed.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
-        normed = x * rstd[:, None]
-        if ROUND_FIRST:  # HF's Llama-style RMSNorm rounds before the weight multiply
-            normed = round_rne(normed, out_ptr.dtype.element_ty)
-        out = normed * w[None, :]
-        if INTERPRETED:  # the interpreter's casts truncate; round as the GPU does
-            out = round_rne(out, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+        dt = out_ptr.dtype.element_ty
+        out = rms_scale(x, rstd[:, None], w[None, :], dt, ROUND_FIRST, INTERPRETED)
+        tl.store(out_ptr + out_offs, out.to(dt), mask=mask)
 
 
 def _launch_config(n: int) -> tuple[int, int, int]:

@@ -21,6 +21,8 @@ from ..ops.rope_store_kv import rope_store_kv
 from ..quant.linear import QuantLinear, fuse_quant_linears
 from .undo import UndoLog
 
+_ROPE_TABLE_MAX_BYTES = 128 << 20  # RoPE cos/sin tables up to this size are built (see FusedDecoder._rotary)
+
 
 @dataclass(frozen=True)
 class FamilySpec:
@@ -64,8 +66,6 @@ class Dense:
             return gemv(x, self.weight, self.bias, gated=activation)
         return act_and_mul(F.linear(x, self.weight, self.bias), activation)
 
-
-_ROPE_TABLE_MAX_BYTES = 128 << 20
 
 Linear = Dense | QuantLinear  # both offer matmul(x) and gated_matmul(x, activation)
 

@@ -69,8 +69,7 @@ class QuantLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x: (M, K)`` -> ``(M, N)``; the kernel is chosen by ``M``."""
-        if self.perm is not None:
-            x = x.index_select(1, self.perm)
+        x = self._permuted(x)
         if self.method == "int4":
             return w4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
         if self._fp8_gemm(x):
@@ -84,9 +83,11 @@ class QuantLinear(nn.Module):
         fused against 23.3 + ~3 us): every program re-read and re-activated the whole gate/up row."""
         if self.method == "int4" or self._fp8_gemm(x):
             return act_and_mul(self.matmul(x), activation)
-        if self.perm is not None:
-            x = x.index_select(1, self.perm)
-        return w8_linear(x, self.qweight, self.scales, self.bias, gated=activation)
+        return w8_linear(self._permuted(x), self.qweight, self.scales, self.bias, gated=activation)
+
+    def _permuted(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[:, perm]`` for act-order checkpoints, else ``x``."""
+        return x if self.perm is None else x.index_select(1, self.perm)
 
     def _fp8_gemm(self, x: torch.Tensor) -> bool:
         """Whether this fp8 module runs ``x`` on FP8 tensor cores (enough rows, bf16, 16-aligned, supported GPU)."""

@@ -46,6 +46,7 @@ from ._triton import (
     use_triton,
     wait_inputs,
 )
+from .act_mul import ACTIVATIONS, act_and_mul
 
 
 def w4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -66,10 +67,35 @@ if triton is not None:
         """``128 +`` the nibble at bit ``SHIFT`` of each int32 word, exactly, as float32."""
         return field_f32(w, SHIFT, 4, 7)
 
+    # One int32 word of a group's row (bytes 4t..4t+3: low nibbles of elements 4t..4t+3, high nibbles of
+    # HALF+4t..HALF+4t+3) against its eight activations in packed bf16 pairs: $1 the word, $2 (128 + zero) twice,
+    # $3 $4 x[4t..4t+3], $5 $6 x[HALF+4t..HALF+4t+3]; out $0 the fp32 bits of sum((q - zero) * x).
+    _WORD_DOT_BF16 = tl.constexpr("{" + " ".join([
+        ".reg .b32 a, b, c, d, z;", "mov.b32 z, 0;",
+        "prmt.b32 a, $1, z, 0x4140;", "prmt.b32 b, $1, z, 0x4342;",  # bytes (0, 1) and (2, 3) into word halves
+        "shr.b32 c, a, 4;", "shr.b32 d, b, 4;",  # their high nibbles
+        *[f"lop3.b32 {r}, {r}, 0x000F000F, 0x43004300, 0xEA;" for r in "abcd"],  # bf16 128 + q, exact
+        *[f"sub.rn.bf16x2 {r}, {r}, $2;" for r in "abcd"],  # q - zero, exact
+        "mul.rn.bf16x2 a, a, $3;", "fma.rn.bf16x2 a, b, $4, a;", "fma.rn.bf16x2 a, c, $5, a;",
+        "fma.rn.bf16x2 a, d, $6, a;",
+        "shl.b32 b, a, 16;", "and.b32 a, a, 0xFFFF0000;", "add.f32 $0, a, b;"]) + "}")
+
+    @triton.jit
+    def word_dot_bf16(w, zero2, x_lo0, x_lo1, x_hi0, x_hi1):
+        """GPU only (sm_90: packed bf16 ``sub``/``mul``). fp32 ``sum((q - zero) * x)`` over the eight nibbles of
+        each int32 word ``w``, the products and their running sum in packed bf16 pairs: about two instructions a
+        weight against eight for the fp32 formula. ``zero2`` holds ``128 + zero`` in both bf16 halves; the ``x_*``
+        are bf16 pairs as int32 (:func:`_w4_gemv_kernel` describes the layout). Every tensor is int32, one shape.
+        """
+        return tl.inline_asm_elementwise(
+            asm=_WORD_DOT_BF16, constraints="=r,r,r,r,r,r,r", args=[w, zero2, x_lo0, x_lo1, x_hi0, x_hi1],
+            dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+
     @triton.jit
     def _w4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_sn,
-                        stride_om, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                        GROUPS_PER_STEP: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                        stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, PACKED_DOT: tl.constexpr,
+                        INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         # qweight read as int32 words: word t of a group's row holds bytes 4t..4t+3, i.e. the low nibbles of
         # elements 4t..4t+3 and the high nibbles of elements HALF+4t..HALF+4t+3 (byte b at bits 8b).
         GPS: tl.constexpr = GROUPS_PER_STEP
@@ -78,14 +104,18 @@ if triton is not None:
         num_groups = K // GROUP
         m = tl.program_id(0)
         pid = tl.program_id(1)
-        rows, row_mask = gemv_rows(pid, N, BLOCK_N, "")
+        rows, row_mask = gemv_rows(pid, N, BLOCK_N, GATED)
         gi = tl.arange(0, GPS)
         t = tl.arange(0, WORDS)
         q_ptrs = q_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + (gi * WORDS)[None, :, None] + t[None, None, :]
         s_ptrs = s_ptr + rows.to(tl.int64)[:, None] * stride_sn + gi[None, :]
         z_ptrs = z_ptr + rows.to(tl.int64)[:, None] * stride_sn + gi[None, :]
-        x_ptrs = x_ptr + m * stride_xm + (gi * GROUP)[:, None, None] + 4 * t[None, :, None] + tl.arange(0, 4)
-        # per (row, group, word): s * (sum((128 + q) * x) - (128 + z) * sum(x)), reduced once at the end
+        if PACKED_DOT:  # x[4t..4t+3] of each group half as one int64, split into two int32 bf16 pairs
+            x_ptrs = (x_ptr.to(tl.pointer_type(tl.int64)) + m * (stride_xm // 4) + (gi * (HALF // 2))[:, None]
+                      + t[None, :])
+        else:
+            x_ptrs = x_ptr + m * stride_xm + (gi * GROUP)[:, None, None] + 4 * t[None, :, None] + tl.arange(0, 4)
+        # per (row, group, word): s * sum((q - z) * x), reduced once at the end
         acc = tl.zeros((BLOCK_N, GPS, WORDS), dtype=tl.float32)
         mask2 = row_mask[:, None] & (gi < num_groups)[None, :]
         w = tl.load(q_ptrs, mask=mask2[:, :, None], other=0)
@@ -99,24 +129,35 @@ if triton is not None:
             w_next = tl.load(q_ptrs + (g0 + GPS) * WORDS, mask=next_mask[:, :, None], other=0)
             s_next = tl.load(s_ptrs + g0 + GPS, mask=next_mask, other=0.0)
             z_next = tl.load(z_ptrs + g0 + GPS, mask=next_mask, other=0.0)
-            x_lo = tl.load(x_ptrs + g0 * GROUP, mask=g_mask[:, None, None], other=0.0).to(tl.float32)
-            x_hi = tl.load(x_ptrs + g0 * GROUP + HALF, mask=g_mask[:, None, None], other=0.0).to(tl.float32)
-            lo02, lo13 = tl.split(tl.reshape(x_lo, (GPS, WORDS, 2, 2)))  # (GPS, WORDS, 4) -> x[4t + b], b = 0..3
-            lo0, lo2 = tl.split(lo02)
-            lo1, lo3 = tl.split(lo13)
-            hi02, hi13 = tl.split(tl.reshape(x_hi, (GPS, WORDS, 2, 2)))
-            hi0, hi2 = tl.split(hi02)
-            hi1, hi3 = tl.split(hi13)
-            part = nibble_f32(w, 0) * lo0[None] + nibble_f32(w, 4) * hi0[None]
-            part += nibble_f32(w, 8) * lo1[None] + nibble_f32(w, 12) * hi1[None]
-            part += nibble_f32(w, 16) * lo2[None] + nibble_f32(w, 20) * hi2[None]
-            part += nibble_f32(w, 24) * lo3[None] + nibble_f32(w, 28) * hi3[None]
-            x_sum = (lo0 + lo1) + (lo2 + lo3) + (hi0 + hi1) + (hi2 + hi3)
-            z128 = z.to(tl.float32) + 128.0
-            acc += s.to(tl.float32)[:, :, None] * (part - z128[:, :, None] * x_sum[None])
+            if PACKED_DOT:
+                v = tl.load(x_ptrs + g0 * (HALF // 2), mask=g_mask[:, None], other=0)
+                x_lo0, x_lo1 = v.to(tl.int32), (v >> 32).to(tl.int32)
+                v = tl.load(x_ptrs + g0 * (HALF // 2) + HALF // 4, mask=g_mask[:, None], other=0)
+                x_hi0, x_hi1 = v.to(tl.int32), (v >> 32).to(tl.int32)
+                z16 = (z.to(tl.float32) + 128.0).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                part = word_dot_bf16(w, (z16 | (z16 << 16))[:, :, None], x_lo0[None], x_lo1[None], x_hi0[None],
+                                     x_hi1[None])
+                acc += s.to(tl.float32)[:, :, None] * part
+            else:
+                # sum((128 + q) * x) - (128 + z) * sum(x): the zero point and the offset cost one multiply a word
+                x_lo = tl.load(x_ptrs + g0 * GROUP, mask=g_mask[:, None, None], other=0.0).to(tl.float32)
+                x_hi = tl.load(x_ptrs + g0 * GROUP + HALF, mask=g_mask[:, None, None], other=0.0).to(tl.float32)
+                lo02, lo13 = tl.split(tl.reshape(x_lo, (GPS, WORDS, 2, 2)))  # (GPS, WORDS, 4) -> x[4t + b]
+                lo0, lo2 = tl.split(lo02)
+                lo1, lo3 = tl.split(lo13)
+                hi02, hi13 = tl.split(tl.reshape(x_hi, (GPS, WORDS, 2, 2)))
+                hi0, hi2 = tl.split(hi02)
+                hi1, hi3 = tl.split(hi13)
+                part = nibble_f32(w, 0) * lo0[None] + nibble_f32(w, 4) * hi0[None]
+                part += nibble_f32(w, 8) * lo1[None] + nibble_f32(w, 12) * hi1[None]
+                part += nibble_f32(w, 16) * lo2[None] + nibble_f32(w, 20) * hi2[None]
+                part += nibble_f32(w, 24) * lo3[None] + nibble_f32(w, 28) * hi3[None]
+                x_sum = (lo0 + lo1) + (lo2 + lo3) + (hi0 + hi1) + (hi2 + hi3)
+                z128 = z.to(tl.float32) + 128.0
+                acc += s.to(tl.float32)[:, :, None] * (part - z128[:, :, None] * x_sum[None])
             w, s, z = w_next, s_next, z_next
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
-        store_rows(out_ptr + m * stride_om, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS, "", BLOCK_N, INTERPRETED)
+        store_rows(out_ptr + m * stride_om, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS, GATED, BLOCK_N, INTERPRETED)
 
     def _dequant_asm(magic: str, suffix: str) -> tl.constexpr:
         """PTX for :func:`dequant_pairs` on four bytes: ``$4`` the bytes, ``$5, $6`` the zero points (plus the
@@ -249,21 +290,34 @@ def packed_dequant(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     return x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and _capability(index) >= (9, 0))
 
 
+def packed_gemv(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether the one-token GEMV multiplies in packed bf16 pairs (:func:`word_dot_bf16`): bf16 activations,
+    scales and zeros on sm_90+ (:func:`packed_dequant`), ``x`` readable four values an int64 (row stride a multiple
+    of 4, 8-byte aligned)."""
+    return (x.dtype == torch.bfloat16 and packed_dequant(x, scales, zeros) and x.stride(0) % 4 == 0
+            and x.data_ptr() % 8 == 0)
+
+
 def choose_config(m: int, n: int, k: int, group_size: int, packed: bool = True, x_bytes: int = 2,
-                  smem: int = 1 << 31) -> tuple[int, int, int, int, int, int]:
+                  smem: int = 1 << 31, packed_gemv: bool = False) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV
     (``GROUPS_PER_STEP`` is the GEMV's), ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
-    ``packed``: the GEMM dequantises with packed 16-bit math (CUDA, bf16/fp16 activations). The GEMM's K step is
-    one group, so its pipeline depth (and, for wide groups of fp32 activations, BLOCK_M) shrinks to fit ``smem``
-    bytes of shared memory given ``x_bytes`` per activation.
+    ``packed``: the GEMM dequantises with packed 16-bit math (CUDA, bf16/fp16 activations); ``packed_gemv``: the
+    GEMV multiplies in packed bf16 pairs (:func:`packed_gemv`). The GEMM's K step is one group, so its pipeline
+    depth (and, for wide groups of fp32 activations, BLOCK_M) shrinks to fit ``smem`` bytes of shared memory given
+    ``x_bytes`` per activation.
 
-    NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
-    bf16 in brackets; history in BENCHMARKS.md). One token, word GEMV (16 rows, 4 groups, 4 warps wide; 8 groups, 8
-    warps deep or narrow): 12.2 / 8.4 / 39.6 / 25.0 [20.3 / 15.4 / 81.4 / 43.5]. Packed-dequant GEMM: 16 tokens
-    (16, 64 | 32) 12.3 / 9.5 / 36.8 / 23.3 [20.8 / 16.0 / 82.6 / 49.5] -- hence one token on gate_up- and down-like
-    shapes goes there too; 64 tokens (64, 64) 24.9 / 16.6 / 69.7 / 47.0 [20.6 / 14.7 / 86.9 / 46.2]; 256 tokens
-    (128, 64) 53.8 / 40.8 / 204.2 / 124.6 [23.6 / 19.1 / 101.6 / 59.0].
+    NOTE: H100, 2026-11-22, PDL chains of one projection (us; 8B qkv / o / gate_up gated / down, then 1B). Packed
+    GEMV, one token, the tiles below: 7.2 / 5.8 / 29.1 / 15.6 and 2.9 / 2.1 / 9.6 / 7.0, each within 8% of the best
+    of 24 tiles; the packed-dequant GEMM 10.7 / 9.5 / 36.5 / 21.4 and 5.6 / 4.8 / 15.6 / 10.9. At two tokens the
+    two are level (the GEMV reads the weights once a token), so the GEMV takes one token only. Without packed bf16
+    math (fp16, older GPUs), history in BENCHMARKS.md: word GEMV 12.2 / 8.4 / 39.6 / 25.0, packed-dequant GEMM at
+    16 tokens (16, 64 | 32) 12.3 / 9.5 / 36.8 / 23.3 -- hence gate_up- and down-like shapes go there at one token
+    too; 64 tokens (64, 64) 24.9 / 16.6 / 69.7 / 47.0; 256 tokens (128, 64) 53.8 / 40.8 / 204.2 / 124.6.
     """
+    if m == 1 and packed_gemv:  # (weights of a row per step, warps) by shape: wide (gate/up), deep (down), q/k/v, o
+        step, warps = (1024, 4) if n >= 4 * k else (2048, 8) if k >= 2 * n else (1024, 8) if n > 4096 else (2048, 4)
+        return (1, 16, max(1, step // group_size), warps, 1, 1)
     if m == 1 and not (packed and (n >= 4 * k or k >= 2 * n)):
         if k > n or n <= 4096:
             return (1, 16, max(1, 1024 // group_size), 8, 1, 1)
@@ -313,23 +367,26 @@ def w4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 
 @llmplug_op("w4_linear")
 def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  group_size: int, bias: torch.Tensor | None, block_m: int, block_n: int,
+                  group_size: int, bias: torch.Tensor | None, gated: str, block_m: int, block_n: int,
                   groups_per_step: int, num_warps: int, num_stages: int, split_k: int) -> torch.Tensor:
     if not use_triton(x):
-        return w4_linear_ref(x, qweight, scales, zeros, group_size, bias)
+        y = w4_linear_ref(x, qweight, scales, zeros, group_size, bias)
+        return act_and_mul(y, gated) if gated else y
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
     m = x.shape[0]
     n, k = qweight.shape[0], 2 * qweight.shape[1]
-    out = x.new_empty((m, n))
     b = bias if bias is not None else scales
     common = dict(HAS_BIAS=bias is not None, GROUP=group_size, BLOCK_N=block_n, INTERPRETED=INTERPRET,
                   num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
-    if block_m == 1:
+    if block_m == 1:  # the GEMV applies the gate in its epilogue: a program's rows are gate rows and their up rows
+        assert not gated or (n % 2 == 0 and block_n % 2 == 0), "gated GEMV layout"
+        out = x.new_empty((m, n // 2 if gated else n))
         words = qweight.view(torch.int32)
         maybe_wrap(_w4_gemv_kernel)[(m, triton.cdiv(n, block_n))](
             x, words, scales, zeros, b, out, n, k, x.stride(0), words.stride(0), scales.stride(0), out.stride(0),
-            GROUPS_PER_STEP=groups_per_step, **common)
+            GATED=gated, GROUPS_PER_STEP=groups_per_step, PACKED_DOT=packed_gemv(x, scales, zeros), **common)
         return out
+    out = x.new_empty((m, n))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     per_split, split, dest = split_k_plan(split_k, tiles, k // group_size, out)
     maybe_wrap(_w4_gemm_kernel)[(tiles, split)](
@@ -337,18 +394,19 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         out.stride(0), BLOCK_M=block_m, SPLIT_K=split, GROUP_M=8,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PACKED_DEQUANT=packed_dequant(x, scales, zeros), **common)
-    return out if split == 1 else split_k_reduce(dest, bias, out)
+    out = out if split == 1 else split_k_reduce(dest, bias, out)
+    return act_and_mul(out, gated) if gated else out
 
 
 @_w4_linear_op.register_fake
-def _(x, qweight, scales, zeros, group_size, bias, block_m, block_n, groups_per_step, num_warps,
+def _(x, qweight, scales, zeros, group_size, bias, gated, block_m, block_n, groups_per_step, num_warps,
       num_stages, split_k):
-    return x.new_empty((x.shape[0], qweight.shape[0]))
+    return x.new_empty((x.shape[0], qweight.shape[0] // 2 if gated else qweight.shape[0]))
 
 
 def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None,
-              config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, config: tuple[int, int, int, int, int, int] | None = None,
+              gated: str = "") -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the packed int4 ``W`` without materialising it.
 
     Args:
@@ -359,11 +417,17 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         bias: optional ``(N,)``.
         config: ``(BLOCK_M, BLOCK_N, GROUPS_PER_STEP, num_warps, num_stages, SPLIT_K)`` for the fused kernels;
             default: dequantise + cuBLAS from ``DENSE_MIN_TOKENS`` rows on the GPU, else :func:`choose_config`.
+        gated: ``""``, or ``"silu"`` / ``"gelu_tanh"`` for a fused gate/up weight (gate rows, then up rows): returns
+            ``act(y[:, :N/2]) * y[:, N/2:]`` (as :func:`~llmplug.ops.act_mul.act_and_mul` of the product), in the
+            one-token GEMV's epilogue.
 
     Returns:
-        ``(M, N)`` in ``x.dtype``.
+        ``(M, N)`` in ``x.dtype``, ``(M, N / 2)`` when gated.
     """
     n, half = qweight.shape
+    if gated and (gated not in ACTIVATIONS or n % 2):
+        raise ValueError(f"gated={gated!r} needs one of {ACTIVATIONS} and an even number of rows (gate then up), "
+                         f"got {n}")
     k = 2 * half
     if qweight.dtype != torch.uint8:
         raise ValueError(f"qweight.dtype={qweight.dtype} must be torch.uint8 (two int4 values a byte)")
@@ -375,8 +439,10 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         raise ValueError(f"scales and zeros must be ({n}, {k // group_size}), got {tuple(scales.shape)} and "
                          f"{tuple(zeros.shape)}")
     if config is None and dense_path(x, DENSE_MIN_TOKENS):
-        return F.linear(x, w4_dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
+        y = F.linear(x, w4_dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
+        return act_and_mul(y, gated) if gated else y
     config = config or choose_config(x.shape[0], n, k, group_size, packed=packed_dequant(x, scales, zeros),
-                                     x_bytes=x.element_size(), smem=smem_bytes(x.device))
+                                     x_bytes=x.element_size(), smem=smem_bytes(x.device),
+                                     packed_gemv=packed_gemv(x, scales, zeros))
     return call_op(_w4_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,
-                   *config)
+                   gated, *config)

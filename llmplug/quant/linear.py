@@ -78,10 +78,13 @@ class QuantLinear(nn.Module):
 
     def gated_matmul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """``act(x @ W_gate^T) * (x @ W_up^T)`` for a fused gate/up module (gate rows first): ``x: (M, K)`` ->
-        ``(M, N / 2)``. int8 / fp8 weight-only kernels apply it in the one-token GEMV's epilogue. NOTE: applied to
+        ``(M, N / 2)``. The weight-only kernels apply it in the one-token GEMV's epilogue. NOTE: applied to
         the down projection's input instead, it cost more than it saved (H100, 8B down projection, int8 30.8 us
         fused against 23.3 + ~3 us): every program re-read and re-activated the whole gate/up row."""
-        if self.method == "int4" or self._fp8_gemm(x):
+        if self.method == "int4":
+            return w4_linear(self._permuted(x), self.qweight, self.scales, self.zeros, self.group_size, self.bias,
+                             gated=activation)
+        if self._fp8_gemm(x):
             return act_and_mul(self.matmul(x), activation)
         return w8_linear(self._permuted(x), self.qweight, self.scales, self.bias, gated=activation)
 

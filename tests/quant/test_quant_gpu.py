@@ -27,6 +27,9 @@ def test_gated_gemvs_equal_product_then_act_and_mul(n, k, activation):
     assert torch.equal(gemv(x, w, gated=activation), act_and_mul(gemv(x, w), activation))
     for q in (quantize_int8(w), quantize_fp8(w)):
         assert torch.equal(w8_linear(x, *q, gated=activation), act_and_mul(w8_linear(x, *q), activation))
+    if k % 128 == 0:  # int4 in groups of 128
+        q4 = quantize_int4(w, 128)
+        assert torch.equal(w4_linear(x, *q4, 128, gated=activation), act_and_mul(w4_linear(x, *q4, 128), activation))
 
 
 @pytest.mark.parametrize("m", [1, 3, 16, 64, 300, DENSE_MIN_TOKENS + 5, W8_DENSE_MIN_TOKENS + 3])
@@ -84,11 +87,21 @@ def _int4(n, k, dtype, group_size):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group_size", [32, 128, 256])
 def test_int4_packed_dequantisation(m, n, k, dtype, group_size):
-    """The GEMM's packed bf16x2 / f16x2 dequantisation (also one token on gate_up- and down-like shapes; a ragged
-    last tile of rows) matches the fp32 reference as the unpacked kernels do."""
+    """The packed 16-bit kernels -- the GEMM's bf16x2 / f16x2 dequantisation, the one-token GEMV's bf16x2 products
+    (fp16's GEMV multiplies in fp32) -- match the fp32 reference (a ragged last tile of rows)."""
     q4 = _int4(n, k, dtype, group_size)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     assert sqnr_db(w4_linear_ref(x, *q4, group_size), w4_linear(x, *q4, group_size)) >= KERNEL_VS_REF_SQNR_DB
+
+
+@pytest.mark.parametrize("offset,stride", [(0, 4096), (0, 4098), (1, 4100), (2, 4100)])
+def test_int4_gemv_reads_unaligned_activations(offset, stride):
+    """The packed bf16 GEMV reads x four values an int64; other row strides or alignments take the fp32 GEMV."""
+    q4 = _int4(6168, 4096, torch.bfloat16, 128)
+    x = torch.randn(stride + offset, device="cuda", dtype=torch.bfloat16)[offset:offset + 4096].view(1, 4096)
+    x = x.as_strided((1, 4096), (stride, 1))
+    want = w4_linear_ref(x, *q4, 128)
+    assert sqnr_db(want, w4_linear(x, *q4, 128)) >= KERNEL_VS_REF_SQNR_DB
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -84,6 +84,25 @@ def test_w8_configs(config):
     torch.testing.assert_close(w8_linear(x, q, s, config=config), w8_linear_ref(x, q, s), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n,k,group_size", [(38, 256, 64), (22, 96, 32)])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_w4_gated(n, k, group_size, activation, m):
+    """int4 gated=act: one token in the GEMV's epilogue (a program's rows are gate rows and their up rows), else
+    act_and_mul after the GEMM."""
+    w, x = torch.randn(n, k), torch.randn(m, k, dtype=torch.bfloat16)
+    q, s, z = quantize_int4(w, group_size)
+    for bias in (None, torch.randn(n, dtype=x.dtype)):
+        out = w4_linear(x, q, s, z, group_size, bias, gated=activation)
+        assert out.shape == (m, n // 2) and out.dtype == x.dtype
+        want = act_and_mul_ref(w4_linear_ref(x, q, s, z, group_size, bias), activation)
+        assert sqnr_db(want, out) >= KERNEL_VS_REF_SQNR_DB
+    with pytest.raises(ValueError, match="gated"):
+        w4_linear(x, q, s, z, group_size, gated="relu")
+    with pytest.raises(ValueError, match="even"):
+        w4_linear(x, q[1:], s[1:], z[1:], group_size, gated=activation)
+
+
 @pytest.mark.parametrize("n,k", [(38, 256), (22, 90), (40, 1100)])  # words (even tiles or not), bytes (K % 4)
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
@@ -212,4 +231,4 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.llmplug.w8_linear, (x, q, s, None, "", 16, 16, 32, 4, 2, 1))
     torch.library.opcheck(torch.ops.llmplug.w8_linear, (x[:1], q, s, None, "silu", 1, 4, 32, 4, 2, 1))
     q4, s4, z4 = quantize_int4(torch.randn(16, 64), 32)
-    torch.library.opcheck(torch.ops.llmplug.w4_linear, (x, q4, s4, z4, 32, None, 16, 16, 1, 4, 2, 1))
+    torch.library.opcheck(torch.ops.llmplug.w4_linear, (x, q4, s4, z4, 32, None, "", 16, 16, 1, 4, 2, 1))

@@ -308,16 +308,17 @@ def choose_config(m: int, n: int, k: int, group_size: int, packed: bool = True, 
     ``x_bytes`` per activation.
 
     NOTE: H100, 2026-11-22, PDL chains of one projection (us; 8B qkv / o / gate_up gated / down, then 1B). Packed
-    GEMV, one token, the tiles below: 7.2 / 5.8 / 29.1 / 15.6 and 2.9 / 2.1 / 9.6 / 7.0, each within 8% of the best
-    of 24 tiles; the packed-dequant GEMM 10.7 / 9.5 / 36.5 / 21.4 and 5.6 / 4.8 / 15.6 / 10.9. At two tokens the
-    two are level (the GEMV reads the weights once a token), so the GEMV takes one token only. Without packed bf16
-    math (fp16, older GPUs), history in BENCHMARKS.md: word GEMV 12.2 / 8.4 / 39.6 / 25.0, packed-dequant GEMM at
-    16 tokens (16, 64 | 32) 12.3 / 9.5 / 36.8 / 23.3 -- hence gate_up- and down-like shapes go there at one token
-    too; 64 tokens (64, 64) 24.9 / 16.6 / 69.7 / 47.0; 256 tokens (128, 64) 53.8 / 40.8 / 204.2 / 124.6.
+    GEMV, one token, the tiles below: 7.0 / 4.7 / 26.6 / 12.9 and 2.5 / 2.0 / 8.8 / 5.9, each within 6% of the best
+    of 24 tiles (4 or 8 warps, 8-32 rows, 512-4,096 weights a row per step); the packed-dequant GEMM 10.7 / 9.5 /
+    36.7 / 21.4 and 5.6 / 4.8 / 15.5 / 11.0. At two tokens the two are about level (the GEMV reads the weights
+    once a token), so the GEMV takes one token only. Without packed bf16 math (fp16, older GPUs), history in
+    BENCHMARKS.md: word GEMV 12.2 / 8.4 / 39.6 / 25.0, packed-dequant GEMM at 16 tokens (16, 64 | 32) 12.3 / 9.5 /
+    36.8 / 23.3 -- hence gate_up- and down-like shapes go there at one token too; 64 tokens (64, 64) 24.9 / 16.6 /
+    69.7 / 47.0; 256 tokens (128, 64) 53.8 / 40.8 / 204.2 / 124.6.
     """
-    if m == 1 and packed_gemv:  # (weights of a row per step, warps) by shape: wide (gate/up), deep (down), q/k/v, o
-        step, warps = (1024, 4) if n >= 4 * k else (2048, 8) if k >= 2 * n else (1024, 8) if n > 4096 else (2048, 4)
-        return (1, 16, max(1, step // group_size), warps, 1, 1)
+    if m == 1 and packed_gemv:  # (rows, weights of a row per step) by shape: wide (gate/up), wide-ish (q/k/v), else
+        block_n, step = (16, 512) if n >= 4 * k else (8, 1024) if n > 4096 and k < 2 * n else (8, 2048)
+        return (1, block_n, max(1, step // group_size), 4, 1, 1)
     if m == 1 and not (packed and (n >= 4 * k or k >= 2 * n)):
         if k > n or n <= 4096:
             return (1, 16, max(1, 1024 // group_size), 8, 1, 1)

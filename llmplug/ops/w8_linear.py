@@ -100,26 +100,42 @@ if triton is not None:
     @triton.jit
     def _w8_gemv_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, KW, stride_xm, stride_qn, stride_om, magic,
                               HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_W: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr, INTERPRETED: tl.constexpr,
-                              PDL: tl.constexpr):
+                              BLOCK_W: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr, X64: tl.constexpr,
+                              INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         # int8 weights read as int32 words (KW = K // 4; byte b of word t is element 4t + b). XOR-ing 0x80 into each
         # byte gives u = q + 128 in [0, 255]; byte_f32 turns each into offset + u with one instruction, and each
         # word's four products chain onto -(offset + 128) * (its four x summed): y = sum(q * x) * scale, about 4 SASS
         # instructions a weight byte against 7 with a shift and a mask a byte (sm_90 build; the GEMV stays bound by
-        # loads in flight, see BENCHMARKS.md). EVEN: N and KW divide by the tile. GATED: see gemv_rows.
+        # loads in flight, see BENCHMARKS.md). EVEN: N and KW divide by the tile. GATED: see gemv_rows. X64: bf16 x
+        # read as one int64 a word (its four values), loaded by each thread in the layout its words need instead of
+        # once and spread through shared memory (barriers every step).
         m = tl.program_id(0)
         pid = tl.program_id(1)
         rows, row_mask = gemv_rows(pid, N, BLOCK_N, GATED)
         t = tl.arange(0, BLOCK_W)
         q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qn + t[None, :]
-        x_ptrs = x_ptr + m * stride_xm + 4 * t
+        if X64:
+            x_ptrs = x_ptr.to(tl.pointer_type(tl.int64)) + m * (stride_xm // 4) + (t[None, :] + 0 * rows[:, None])
+        else:
+            x_ptrs = x_ptr + m * stride_xm + 4 * t
         magic = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.int32) + magic  # a register, so prmt takes its selector inline
         PRECISE: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
         offset = -384.0 if PRECISE else -32896.0
         acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
         wait_inputs(PDL)
         for k in range(0, KW, BLOCK_W):
-            if EVEN:
+            if X64:
+                if EVEN:
+                    u = tl.load(q_ptrs + k) ^ SIGN_BITS
+                    v = tl.load(x_ptrs + k)
+                else:
+                    k_mask = (k + t) < KW
+                    u = tl.load(q_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0) ^ SIGN_BITS
+                    v = tl.load(x_ptrs + k, mask=k_mask[None, :], other=0)
+                lo, hi = v.to(tl.int32), (v >> 32).to(tl.int32)  # bf16 bits moved to the top half read as fp32
+                x0, x1 = (lo << 16).to(tl.float32, bitcast=True), (lo & -65536).to(tl.float32, bitcast=True)
+                x2, x3 = (hi << 16).to(tl.float32, bitcast=True), (hi & -65536).to(tl.float32, bitcast=True)
+            elif EVEN:
                 u = tl.load(q_ptrs + k) ^ SIGN_BITS
                 x0 = tl.load(x_ptrs + 4 * k).to(tl.float32)
                 x1 = tl.load(x_ptrs + 4 * k + 1).to(tl.float32)
@@ -133,11 +149,13 @@ if triton is not None:
                 x2 = tl.load(x_ptrs + 4 * k + 2, mask=k_mask, other=0.0).to(tl.float32)
                 x3 = tl.load(x_ptrs + 4 * k + 3, mask=k_mask, other=0.0).to(tl.float32)
             # the offset comes off word by word, before the products add up across words (little cancellation)
-            part = (((x0 + x1) + (x2 + x3)) * offset)[None, :]
-            part = tl.fma(byte_f32(u, magic, 0, ASM, PRECISE), x0[None, :], part)
-            part = tl.fma(byte_f32(u, magic, 1, ASM, PRECISE), x1[None, :], part)
-            part = tl.fma(byte_f32(u, magic, 2, ASM, PRECISE), x2[None, :], part)
-            acc += tl.fma(byte_f32(u, magic, 3, ASM, PRECISE), x3[None, :], part)
+            if not X64:  # (BLOCK_W,) -> (1, BLOCK_W); X64 loaded them (BLOCK_N, BLOCK_W) already
+                x0, x1, x2, x3 = x0[None, :], x1[None, :], x2[None, :], x3[None, :]
+            part = ((x0 + x1) + (x2 + x3)) * offset
+            part = tl.fma(byte_f32(u, magic, 0, ASM, PRECISE), x0, part)
+            part = tl.fma(byte_f32(u, magic, 1, ASM, PRECISE), x1, part)
+            part = tl.fma(byte_f32(u, magic, 2, ASM, PRECISE), x2, part)
+            acc += tl.fma(byte_f32(u, magic, 3, ASM, PRECISE), x3, part)
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
         store_rows(out_ptr + m * stride_om, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS, GATED, BLOCK_N, INTERPRETED)
 
@@ -244,7 +262,8 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             block_w = min(block_k // 4, next_pow2(k // 4))
             maybe_wrap(_w8_gemv_words_kernel)[grid](
                 x, words, scales, b, out, n, k // 4, x.stride(0), words.stride(0), out.stride(0), BYTE_MAGIC,
-                BLOCK_W=block_w, EVEN=n % block_n + k // 4 % block_w == 0, ASM=not INTERPRET, **common)
+                BLOCK_W=block_w, EVEN=n % block_n + k // 4 % block_w == 0, ASM=not INTERPRET,
+                X64=x.dtype == torch.bfloat16 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0, **common)
         else:
             maybe_wrap(_w8_gemv_kernel)[grid](
                 x, qweight, scales, b, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),

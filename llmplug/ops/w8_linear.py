@@ -218,9 +218,12 @@ def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, 
     :func:`~llmplug.ops._qmm.choose_split_k` decide.
 
     NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
-    bf16 in brackets; history in BENCHMARKS.md). One token, int8 word GEMV with one prmt a byte: 8 rows x 512 bytes
-    (4 stages) for qkv, 16 x 512 for gate_up (4x wider than deep), 4 x 1024 for o / down: 11.7 / 8.5 / 42.0 / 23.1
-    (shift-and-mask decoding before: 12.5 / 9.5 / 44.4 / 25.6; the loads, not the instructions, bound it); fp8 byte
+    bf16 in brackets; history in BENCHMARKS.md). One token, int8 word GEMV with one prmt a byte and the activations
+    read an int64 a word: 8 rows x 1024 bytes for qkv, 8 x 512 for gate_up (4x wider than deep), 4 x 1024 with 8
+    warps for o / down: 10.4 / 7.9 / 40.4 / 21.8, the best of 12 tiles each in PDL chains (scratch script; the
+    tiles before, 10.9 / 8.0 / 42.0 / 22.1; 8B int8 decode replay 3.397 -> 3.364 ms; shift-and-mask decoding and
+    the activations spread through shared memory, earlier: 12.5 / 9.5 / 44.4 / 25.6; the loads, not the
+    instructions, bound it); fp8 byte
     GEMV, 8 x 512 wider than deep, else 4 x 1024: 11.4 / 9.8 / 42.8 / 27.8 [20.4 / 15.6 / 81.3 / 51.1] (with the
     int8 tiles fp8 batch 1 measured 258.7 tok/s against 262.7 with these, in separate runs: kept). 4-16 tokens (16,
     32, 256, 4, 4, split-K by heuristic): 16.3 / 12.4 / 53.3 / 31.0. 64 tokens (64, 128, 128, 4, 3): about cuBLAS
@@ -231,8 +234,8 @@ def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, 
         return (1, 8, 512, 4, 3, 1) if n > k else (1, 4, 1024, 4, 3, 1)
     if m == 1:
         if n >= 4 * k:
-            return (1, 16, 512, 4, 3, 1)
-        return (1, 8, 512, 4, 4, 1) if n > k else (1, 4, 1024, 4, 3, 1)
+            return (1, 8, 512, 4, 3, 1)
+        return (1, 8, 1024, 4, 3, 1) if n > k else (1, 4, 1024, 8, 3, 1)
     if m <= 16:
         return (16, 32, 256, 4, 4, 0)
     if m <= 64:

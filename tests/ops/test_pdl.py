@@ -1,8 +1,12 @@
 """Programmatic dependent launch gating: only inside a model step, only for CUDA tensors on sm_90+."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
+import llmplug
 from llmplug.ops._triton import pdl_options, programmatic_launch
 
 
@@ -25,3 +29,15 @@ def test_cuda_step_scope(monkeypatch):
         with programmatic_launch(False):
             monkeypatch.delenv("LLMPLUG_PDL")
             assert pdl_options(x) == {"PDL": False}
+
+
+def test_pdl_keywords_come_only_from_pdl_options():
+    """A kernel may start before its input is written (``launch_pdl``) only if its code waits (``PDL=True``).
+    ``pdl_options`` returns the two together, so no launch site may set either itself: a launch that merged
+    ``{"PDL": False}`` into ``pdl_options()`` once kept ``launch_pdl=True`` and read stale inputs (BENCHMARKS.md)."""
+    root = Path(llmplug.__file__).parent
+    pattern = re.compile(r"launch_pdl|[\"']PDL[\"']|\bPDL\s*=(?!=)")
+    offenders = [f"{path.relative_to(root)}:{i}: {line.strip()}"
+                 for path in sorted(root.rglob("*.py")) if path.name != "_triton.py"
+                 for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line.split("#")[0])]
+    assert not offenders, "set PDL / launch_pdl only through pdl_options():\n" + "\n".join(offenders)

@@ -4,10 +4,12 @@
 :mod:`llmplug.quant.formats` (``qweight (N, K // 2) uint8``, each group's first half in the low nibbles, its second
 half in the high nibbles). No dequantised copy of the model is kept:
 
-* the GEMV (one token) reads the weights as int32 words and decodes each nibble to ``128 + q`` in float32 with one
-  shift and one bitwise op (:func:`nibble_f32`); per group it sums ``s * (sum((128 + q) * x) - (128 + z) * sum(x))``
-  so the zero point and the offset cost one multiply per word, and it loads the next step's weights before doing
-  this step's math (two steps of loads in flight);
+* the GEMV (one token) reads the weights as int32 words and loads the next step's weights before doing this step's
+  math (two steps of loads in flight). With bf16 activations on sm_90+ it multiplies in packed bf16 pairs
+  (:func:`word_dot_bf16`, about two instructions a weight); otherwise it decodes each nibble to ``128 + q`` in
+  float32 with one shift and one bitwise op (:func:`nibble_f32`) and sums ``s * (sum((128 + q) * x) - (128 + z) *
+  sum(x))`` per group, so the zero point and the offset cost one multiply per word. For a fused gate/up weight it
+  applies the activation in its epilogue (``gated``);
 * the GEMM dequantises one group of a weight tile in registers and runs two tensor-core dots per group (the low
   and the high halves pair with two contiguous slices of ``x``); with 16-bit activations on the GPU the
   dequantisation works on packed pairs in PTX (:func:`dequant_pairs`), about two values an instruction;

@@ -37,6 +37,12 @@ if triton is not None:
         return ((w & (((1 << BITS) - 1) << TO)) | ((127 + OFFSET_LOG2) << 23)).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def int64_halves(v):
+        """``(low, high)`` int32 halves of each int64 (four bf16 values read at once: two a half, the lower-indexed
+        value in the low 16 bits)."""
+        return v.to(tl.int32), (v >> 32).to(tl.int32)
+
+    @triton.jit
     def w8_to_f32(w):
         """int8 (two's complement) or float8e4nv weights -> float32."""
         if w.dtype == tl.int8:
@@ -114,6 +120,12 @@ if triton is not None:
         if INTERPRETED:
             acc = round_rne(acc, out_ptr.dtype.element_ty)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def reads_bf16_quads(x: torch.Tensor) -> bool:
+    """Whether a GEMV may read ``x`` four bf16 values an int64 (:func:`int64_halves`): bf16, a row stride that is a
+    multiple of 4 and an 8-byte-aligned start."""
+    return x.dtype == torch.bfloat16 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0
 
 
 def split_k_reduce(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:

@@ -112,3 +112,16 @@ def act_and_mul(gu: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     lead = gu.shape[:-1]
     out = call_op(_act_and_mul_op, gu.reshape(-1, gu.shape[-1]), activation)
     return out.view(*lead, -1)
+
+
+def check_gated(gated: str, rows: int) -> None:
+    """Validate a fused gate/up epilogue request: ``gated`` is ``""`` or one of :data:`ACTIVATIONS`, and a gated
+    weight has an even number of ``rows`` (gate rows, then up rows)."""
+    if gated and (gated not in ACTIVATIONS or rows % 2):
+        raise ValueError(f"gated={gated!r} needs one of {ACTIVATIONS} and an even number of rows (gate then up), "
+                         f"got {rows}")
+
+
+def maybe_gated(y: torch.Tensor, gated: str) -> torch.Tensor:
+    """``act_and_mul(y, gated)`` for a gated product (``gated`` an activation), else ``y`` itself."""
+    return act_and_mul(y, gated) if gated else y

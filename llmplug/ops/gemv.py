@@ -31,7 +31,7 @@ from ._triton import (
     use_triton,
     wait_inputs,
 )
-from .act_mul import ACTIVATIONS, act_and_mul_ref
+from .act_mul import act_and_mul_ref, check_gated
 from .rms_norm import add_rms_norm_ref, rms_scale
 
 NORM_BLOCK = 1024  # elements of x + residual the norm prologue reads at a time (more raises register use)
@@ -190,9 +190,7 @@ def _checked_config(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, in
                     gated: str) -> tuple[int, int, int, int]:
     """Validate :func:`gemv`'s arguments; the launch config (an even row count a program when gated)."""
     n, k = weight.shape
-    if gated and (gated not in ACTIVATIONS or n % 2):
-        raise ValueError(f"gated={gated!r} needs one of {ACTIVATIONS} and an even number of rows (gate then up), "
-                         f"got {n}")
+    check_gated(gated, n)
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k:
         raise ValueError(f"gemv needs x of shape (1, {k}), got {tuple(x.shape)}")
     if x.dtype != weight.dtype:

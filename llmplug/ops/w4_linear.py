@@ -29,6 +29,8 @@ from ._qmm import (
     field_f32,
     gemv_rows,
     grouped_tile,
+    int64_halves,
+    reads_bf16_quads,
     smem_bytes,
     split_k_plan,
     split_k_reduce,
@@ -48,7 +50,7 @@ from ._triton import (
     use_triton,
     wait_inputs,
 )
-from .act_mul import ACTIVATIONS, act_and_mul
+from .act_mul import check_gated, maybe_gated
 
 
 def w4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -132,10 +134,9 @@ if triton is not None:
             s_next = tl.load(s_ptrs + g0 + GPS, mask=next_mask, other=0.0)
             z_next = tl.load(z_ptrs + g0 + GPS, mask=next_mask, other=0.0)
             if PACKED_DOT:
-                v = tl.load(x_ptrs + g0 * (HALF // 2), mask=g_mask[:, None], other=0)
-                x_lo0, x_lo1 = v.to(tl.int32), (v >> 32).to(tl.int32)
-                v = tl.load(x_ptrs + g0 * (HALF // 2) + HALF // 4, mask=g_mask[:, None], other=0)
-                x_hi0, x_hi1 = v.to(tl.int32), (v >> 32).to(tl.int32)
+                x_lo0, x_lo1 = int64_halves(tl.load(x_ptrs + g0 * (HALF // 2), mask=g_mask[:, None], other=0))
+                x_hi0, x_hi1 = int64_halves(tl.load(x_ptrs + g0 * (HALF // 2) + HALF // 4, mask=g_mask[:, None],
+                                                    other=0))
                 z16 = (z.to(tl.float32) + 128.0).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
                 part = word_dot_bf16(w, (z16 | (z16 << 16))[:, :, None], x_lo0[None], x_lo1[None], x_hi0[None],
                                      x_hi1[None])
@@ -294,10 +295,9 @@ def packed_dequant(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
 
 def packed_gemv(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
     """Whether the one-token GEMV multiplies in packed bf16 pairs (:func:`word_dot_bf16`): bf16 activations,
-    scales and zeros on sm_90+ (:func:`packed_dequant`), ``x`` readable four values an int64 (row stride a multiple
-    of 4, 8-byte aligned)."""
-    return (x.dtype == torch.bfloat16 and packed_dequant(x, scales, zeros) and x.stride(0) % 4 == 0
-            and x.data_ptr() % 8 == 0)
+    scales and zeros on sm_90+ (:func:`packed_dequant`), ``x`` readable four values an int64
+    (:func:`~llmplug.ops._qmm.reads_bf16_quads`)."""
+    return reads_bf16_quads(x) and packed_dequant(x, scales, zeros)
 
 
 def choose_config(m: int, n: int, k: int, group_size: int, packed: bool = True, x_bytes: int = 2,
@@ -318,8 +318,13 @@ def choose_config(m: int, n: int, k: int, group_size: int, packed: bool = True, 
     36.8 / 23.3 -- hence gate_up- and down-like shapes go there at one token too; 64 tokens (64, 64) 24.9 / 16.6 /
     69.7 / 47.0; 256 tokens (128, 64) 53.8 / 40.8 / 204.2 / 124.6.
     """
-    if m == 1 and packed_gemv:  # (rows, weights of a row per step) by shape: wide (gate/up), wide-ish (q/k/v), else
-        block_n, step = (16, 512) if n >= 4 * k else (8, 1024) if n > 4096 and k < 2 * n else (8, 2048)
+    if m == 1 and packed_gemv:  # rows a program, weights of a row a step
+        if n >= 4 * k:  # gate/up
+            block_n, step = 16, 512
+        elif n > 4096 and k < 2 * n:  # q/k/v of the larger models
+            block_n, step = 8, 1024
+        else:  # o, down, small models
+            block_n, step = 8, 2048
         return (1, block_n, max(1, step // group_size), 4, 1, 1)
     if m == 1 and not (packed and (n >= 4 * k or k >= 2 * n)):
         if k > n or n <= 4096:
@@ -374,7 +379,7 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                   groups_per_step: int, num_warps: int, num_stages: int, split_k: int) -> torch.Tensor:
     if not use_triton(x):
         y = w4_linear_ref(x, qweight, scales, zeros, group_size, bias)
-        return act_and_mul(y, gated) if gated else y
+        return maybe_gated(y, gated)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
     m = x.shape[0]
     n, k = qweight.shape[0], 2 * qweight.shape[1]
@@ -398,7 +403,7 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PACKED_DEQUANT=packed_dequant(x, scales, zeros), **common)
     out = out if split == 1 else split_k_reduce(dest, bias, out)
-    return act_and_mul(out, gated) if gated else out
+    return maybe_gated(out, gated)
 
 
 @_w4_linear_op.register_fake
@@ -428,9 +433,7 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         ``(M, N)`` in ``x.dtype``, ``(M, N / 2)`` when gated.
     """
     n, half = qweight.shape
-    if gated and (gated not in ACTIVATIONS or n % 2):
-        raise ValueError(f"gated={gated!r} needs one of {ACTIVATIONS} and an even number of rows (gate then up), "
-                         f"got {n}")
+    check_gated(gated, n)
     k = 2 * half
     if qweight.dtype != torch.uint8:
         raise ValueError(f"qweight.dtype={qweight.dtype} must be torch.uint8 (two int4 values a byte)")
@@ -443,7 +446,7 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
                          f"{tuple(zeros.shape)}")
     if config is None and dense_path(x, DENSE_MIN_TOKENS):
         y = F.linear(x, w4_dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
-        return act_and_mul(y, gated) if gated else y
+        return maybe_gated(y, gated)
     config = config or choose_config(x.shape[0], n, k, group_size, packed=packed_dequant(x, scales, zeros),
                                      x_bytes=x.element_size(), smem=smem_bytes(x.device),
                                      packed_gemv=packed_gemv(x, scales, zeros))

@@ -20,6 +20,8 @@ from ._qmm import (
     field_f32,
     gemv_rows,
     grouped_tile,
+    int64_halves,
+    reads_bf16_quads,
     split_k_plan,
     split_k_reduce,
     store_rows,
@@ -39,7 +41,7 @@ from ._triton import (
     use_triton,
     wait_inputs,
 )
-from .act_mul import ACTIVATIONS, act_and_mul
+from .act_mul import check_gated, maybe_gated
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -98,6 +100,30 @@ if triton is not None:
         return ((u & 0xFF00) | magic).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _word_activations(x_ptrs, k, k_mask, EVEN: tl.constexpr, X64: tl.constexpr):
+        """fp32 ``x[4(k + t) + b]`` for ``b = 0..3``, each broadcastable against the ``(BLOCK_N, BLOCK_W)`` words:
+        with ``X64`` one int64 a word from ``x_ptrs (BLOCK_N, BLOCK_W)`` (bf16 widened by moving its bits up),
+        else four loads from ``x_ptrs (BLOCK_W,)`` (one a value), each ``(1, BLOCK_W)``."""
+        if X64:
+            if EVEN:
+                lo, hi = int64_halves(tl.load(x_ptrs + k))
+            else:
+                lo, hi = int64_halves(tl.load(x_ptrs + k, mask=k_mask[None, :], other=0))
+            return ((lo << 16).to(tl.float32, bitcast=True), (lo & -65536).to(tl.float32, bitcast=True),
+                    (hi << 16).to(tl.float32, bitcast=True), (hi & -65536).to(tl.float32, bitcast=True))
+        else:
+            p = x_ptrs + 4 * k
+            if EVEN:
+                x0, x1, x2, x3 = tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+            else:
+                x0 = tl.load(p, mask=k_mask, other=0.0)
+                x1 = tl.load(p + 1, mask=k_mask, other=0.0)
+                x2 = tl.load(p + 2, mask=k_mask, other=0.0)
+                x3 = tl.load(p + 3, mask=k_mask, other=0.0)
+            return (x0.to(tl.float32)[None, :], x1.to(tl.float32)[None, :], x2.to(tl.float32)[None, :],
+                    x3.to(tl.float32)[None, :])
+
+    @triton.jit
     def _w8_gemv_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, KW, stride_xm, stride_qn, stride_om, magic,
                               HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_W: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr, X64: tl.constexpr,
@@ -124,33 +150,13 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
         wait_inputs(PDL)
         for k in range(0, KW, BLOCK_W):
-            if X64:
-                if EVEN:
-                    u = tl.load(q_ptrs + k) ^ SIGN_BITS
-                    v = tl.load(x_ptrs + k)
-                else:
-                    k_mask = (k + t) < KW
-                    u = tl.load(q_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0) ^ SIGN_BITS
-                    v = tl.load(x_ptrs + k, mask=k_mask[None, :], other=0)
-                lo, hi = v.to(tl.int32), (v >> 32).to(tl.int32)  # bf16 bits moved to the top half read as fp32
-                x0, x1 = (lo << 16).to(tl.float32, bitcast=True), (lo & -65536).to(tl.float32, bitcast=True)
-                x2, x3 = (hi << 16).to(tl.float32, bitcast=True), (hi & -65536).to(tl.float32, bitcast=True)
-            elif EVEN:
+            k_mask = (k + t) < KW  # unused when EVEN
+            if EVEN:
                 u = tl.load(q_ptrs + k) ^ SIGN_BITS
-                x0 = tl.load(x_ptrs + 4 * k).to(tl.float32)
-                x1 = tl.load(x_ptrs + 4 * k + 1).to(tl.float32)
-                x2 = tl.load(x_ptrs + 4 * k + 2).to(tl.float32)
-                x3 = tl.load(x_ptrs + 4 * k + 3).to(tl.float32)
             else:
-                k_mask = (k + t) < KW
                 u = tl.load(q_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0) ^ SIGN_BITS
-                x0 = tl.load(x_ptrs + 4 * k, mask=k_mask, other=0.0).to(tl.float32)
-                x1 = tl.load(x_ptrs + 4 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
-                x2 = tl.load(x_ptrs + 4 * k + 2, mask=k_mask, other=0.0).to(tl.float32)
-                x3 = tl.load(x_ptrs + 4 * k + 3, mask=k_mask, other=0.0).to(tl.float32)
+            x0, x1, x2, x3 = _word_activations(x_ptrs, k, k_mask, EVEN, X64)
             # the offset comes off word by word, before the products add up across words (little cancellation)
-            if not X64:  # (BLOCK_W,) -> (1, BLOCK_W); X64 loaded them (BLOCK_N, BLOCK_W) already
-                x0, x1, x2, x3 = x0[None, :], x1[None, :], x2[None, :], x3[None, :]
             part = ((x0 + x1) + (x2 + x3)) * offset
             part = tl.fma(byte_f32(u, magic, 0, ASM, PRECISE), x0, part)
             part = tl.fma(byte_f32(u, magic, 1, ASM, PRECISE), x1, part)
@@ -249,7 +255,7 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                   split_k: int) -> torch.Tensor:
     if not use_triton(x):
         y = w8_linear_ref(x, qweight, scales, bias)
-        return act_and_mul(y, gated) if gated else y
+        return maybe_gated(y, gated)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.dtype == torch.float32, "w8_linear layout"
     m = x.shape[0]
     n, k = qweight.shape
@@ -266,7 +272,7 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             maybe_wrap(_w8_gemv_words_kernel)[grid](
                 x, words, scales, b, out, n, k // 4, x.stride(0), words.stride(0), out.stride(0), BYTE_MAGIC,
                 BLOCK_W=block_w, EVEN=n % block_n + k // 4 % block_w == 0, ASM=not INTERPRET,
-                X64=x.dtype == torch.bfloat16 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0, **common)
+                X64=reads_bf16_quads(x), **common)
         else:
             maybe_wrap(_w8_gemv_kernel)[grid](
                 x, qweight, scales, b, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),
@@ -283,7 +289,7 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRETED=INTERPRET, num_warps=num_warps,
         num_stages=num_stages, **pdl_options(x))
     out = out if split == 1 else split_k_reduce(dest, bias, out)
-    return act_and_mul(out, gated) if gated else out
+    return maybe_gated(out, gated)
 
 
 @llmplug_op("w8_dequantize")
@@ -331,9 +337,7 @@ def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
     Returns:
         ``(M, N)`` in ``x.dtype``, ``(M, N / 2)`` when gated.
     """
-    if gated and (gated not in ACTIVATIONS or qweight.shape[0] % 2):
-        raise ValueError(f"gated={gated!r} needs one of {ACTIVATIONS} and an even number of rows (gate then up), "
-                         f"got {qweight.shape[0]}")
+    check_gated(gated, qweight.shape[0])
     n, k = qweight.shape
     if qweight.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"qweight.dtype={qweight.dtype} is not supported; choose one of {WEIGHT_DTYPES}")
@@ -343,6 +347,6 @@ def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
         raise ValueError(f"scales must be ({n},), got {tuple(scales.shape)}")
     if config is None and dense_path(x, DENSE_MIN_TOKENS):
         y = F.linear(x, w8_dequantize(qweight, scales, x.dtype), bias)
-        return act_and_mul(y, gated) if gated else y
+        return maybe_gated(y, gated)
     config = config or choose_config(x.shape[0], n, k, fp8=qweight.dtype == torch.float8_e4m3fn)
     return call_op(_w8_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias, gated, *config)

@@ -12,7 +12,9 @@ Kernel design:
   count depends only on static shapes (batch, kv heads, SM count, block-table width), never on ``seq_lens`` values, so
   the op is CUDA-graph safe; the tile ranges themselves are computed on the device from ``seq_lens``. With one split
   the kernel writes the output directly; otherwise each split writes an fp32 partial output plus its log-sum-exp and a
-  small second kernel combines them. Splits with no tokens write ``lse = -inf`` and are ignored by the combine.
+  small second kernel combines them. A split past the sequence's last tile returns at once, writing nothing (split 0
+  always writes, ``lse = -inf`` when the sequence has no keys); the combine recomputes from ``seq_lens`` how many
+  splits hold tiles and reads only those (:func:`_tile_split`).
 * Inner loop: per tile, load the block ids of its tokens, gather ``BLOCK_N`` K rows (``D`` contiguous elements, stride
   ``Hkv * D`` between tokens of a page: 16-byte loads), ``q @ k^T`` in fp32, online softmax in base 2 (``log2(e)``
   folded into the scale), then ``p @ v``.
@@ -119,6 +121,19 @@ if triton is not None:
         return tl.where(ax < 0.3, poly, big)
 
     @triton.jit
+    def _tile_split(seq_len, window, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        """``(tile_lo, tile_hi, per_split, used)``: tile ``t`` covers positions ``[t * BLOCK_N, (t + 1) * BLOCK_N)``;
+        the visible positions are ``[seq_len - window, seq_len)``, so every tile in ``[tile_lo, tile_hi)`` holds at
+        least one visible key. Split ``s`` takes tiles ``tile_lo + s * per_split`` on; the first ``used`` splits hold
+        tiles, at least one split counting as used (split 0 runs even for a sequence without keys)."""
+        tile_lo = tl.maximum(seq_len - window, 0) // BLOCK_N
+        tile_hi = tl.cdiv(seq_len, BLOCK_N)
+        n_tiles = tl.maximum(tile_hi - tile_lo, 0)
+        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        used = tl.maximum(tl.cdiv(n_tiles, tl.maximum(per_split, 1)), 1)
+        return tile_lo, tile_hi, per_split, used
+
+    @triton.jit
     def _decode_attn_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_ptr,
         lse_ptr, score_scale, cap_scale, window, num_heads, stride_qb, stride_qh, stride_cb, stride_cp, stride_ch,
@@ -136,6 +151,15 @@ if triton is not None:
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        # This split's tiles (split 0 runs even without any, so the combine finds lse = -inf there).
+        seq_len = tl.load(seq_lens_ptr + b)
+        win_start = tl.maximum(seq_len - window, 0)
+        tile_lo, tile_hi, per_split, used = _tile_split(seq_len, window, BLOCK_N, NUM_SPLITS)
+        if NUM_SPLITS > 1:
+            if split >= used:
+                return
+        t_start = tile_lo + split * per_split
+        t_end = tl.minimum(t_start + per_split, tile_hi)
         dt = q_ptr.dtype.element_ty
 
         offs_h = tl.arange(0, BLOCK_H)
@@ -157,17 +181,6 @@ if triton is not None:
             # a bf16 query element beyond fp16's range (|q| > 65504) would overflow; queries are far smaller.
             q = q.to(tl.float16)
         mm_dt = q.dtype
-
-        # This split's tiles. Tile t covers positions [t * BLOCK_N, (t + 1) * BLOCK_N); the visible positions are
-        # [win_start, seq_len), so every tile in [tile_lo, tile_hi) holds at least one visible key.
-        seq_len = tl.load(seq_lens_ptr + b)
-        win_start = tl.maximum(seq_len - window, 0)
-        tile_lo = win_start // BLOCK_N
-        tile_hi = tl.cdiv(seq_len, BLOCK_N)
-        n_tiles = tl.maximum(tile_hi - tile_lo, 0)
-        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-        t_start = tile_lo + split * per_split
-        t_end = tl.minimum(t_start + per_split, tile_hi)
 
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
         k_base = k_cache_ptr + kvh.to(tl.int64) * stride_ch
@@ -243,12 +256,15 @@ if triton is not None:
     def _decode_attn_combine_kernel(
         part_ptr,
         lse_ptr,
+        seq_lens_ptr,
         out_ptr,
+        window,
         num_heads,
         stride_ob,
         stride_oh,
         NUM_SPLITS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
         INTERPRETED: tl.constexpr,
@@ -260,8 +276,9 @@ if triton is not None:
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         row0 = (b * num_heads + h).to(tl.int64) * NUM_SPLITS
-        lse = tl.load(lse_ptr + row0 + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-        used = lse > float("-inf")  # splits past the sequence's end wrote -inf
+        n_used = _tile_split(tl.load(seq_lens_ptr + b), window, BLOCK_N, NUM_SPLITS)[3]  # the others wrote nothing
+        lse = tl.load(lse_ptr + row0 + offs_s, mask=offs_s < n_used, other=float("-inf"))
+        used = lse > float("-inf")  # -inf: no keys in the sequence
         m = tl.max(lse, 0)
         m = tl.where(m > float("-inf"), m, 0.0)
         w = tl.where(used, tl.exp2(lse - m), 0.0)
@@ -363,12 +380,13 @@ def _decode_attention_op(
     else:
         score_scale, cap_scale = scale * LOG2E, 1.0
     quant = k_scale is not None
+    window = sliding_window if sliding_window > 0 else _NO_WINDOW
     scale_strides = (k_scale.stride(0), k_scale.stride(1)) if quant else (0, 0)
     maybe_wrap(_decode_attn_kernel)[(bsz, num_kv_heads, splits)](
         q, k_cache, v_cache,
         k_scale if quant else k_cache, v_scale if quant else v_cache,  # placeholders, never touched
         block_tables, seq_lens, out, part, lse, score_scale, cap_scale,
-        sliding_window if sliding_window > 0 else _NO_WINDOW, num_heads, q.stride(0), q.stride(1),
+        window, num_heads, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides, block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, PAGE=page, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, next_pow2(group)),
@@ -379,9 +397,9 @@ def _decode_attention_op(
     )
     if splits > 1:
         maybe_wrap(_decode_attn_combine_kernel)[(bsz, num_heads)](
-            part, lse, out, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=splits, HEAD_DIM=head_dim,
-            BLOCK_S=next_pow2(splits), BLOCK_D=block_d, INTERPRETED=INTERPRET, num_warps=1 if block_d <= 64 else 2,
-            **pdl_options(q),
+            part, lse, seq_lens, out, window, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
+            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=next_pow2(splits), BLOCK_D=block_d, INTERPRETED=INTERPRET,
+            num_warps=1 if block_d <= 64 else 2, **pdl_options(q),
         )
     return out
 

@@ -85,6 +85,22 @@ def test_strided_q_and_changing_seq_lens():
     _check(q, k_cache, v_cache, block_tables, seq_lens, splits=2)
 
 
+@pytest.mark.parametrize("window", [-1, 40])
+def test_splits_without_tiles_are_never_read(monkeypatch, window):
+    """Splits past a sequence's last tile write nothing: with the split buffers filled with a large finite value (a
+    log-sum-exp that would outweigh every real split), the combine must read only the splits holding tiles (short,
+    long and empty sequences side by side; a sliding window moves the first tile)."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(1e4) if t.is_floating_point() else t
+
+    inputs = _paged([3, 150, 0, 70], 8, 2, 64, 16, torch.float32, window=window)
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    _check(*inputs, window=window, splits=8)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_all_padding_rows_are_zero(splits):
     q, k_cache, v_cache, block_tables, seq_lens = _paged([0, 0], 4, 2, 64, 16, torch.bfloat16)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import INTERPRET, maybe_wrap, pdl_options, round_rne, tl, triton, wait_inputs
+from ._triton import INTERPRET, maybe_wrap, next_pow2, pdl_options, round_rne, rounded, tl, triton, wait_inputs
 from .act_mul import store_gated
 
 MAGIC = 8388608.0  # 2^23: float(bits(2^23) | u) == 2^23 + u for u < 2^23
@@ -90,6 +90,46 @@ if triton is not None:
             tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
     @triton.jit
+    def deferred_rstd(part_ptr, n_parts, K, eps, BLOCK_P: tl.constexpr):
+        """``rsqrt(sum(parts) / K + eps)``: the RMSNorm factor of a length-``K`` input whose squares the GEMV that
+        wrote it summed into ``n_parts <= BLOCK_P`` partial sums (:func:`store_add_norm`), added in a fixed order."""
+        offs = tl.arange(0, BLOCK_P)
+        parts = tl.load(part_ptr + offs, mask=offs < n_parts, other=0.0)
+        return tl.rsqrt(tl.sum(parts, axis=0) / K + tl.cast(eps, tl.float32))
+
+    @triton.jit
+    def store_add_norm(out_ptr, y, pid, rows, row_mask, b_ptr, res_ptr, res_out_ptr, nw_ptr, part_ptr, offset,
+                       HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr):
+        """GEMV epilogue that starts the next RMSNorm: ``s = y (+ bias) + residual``, rounded where an HF forward
+        rounds (the projection's output, then the sum), into ``res_out[rows]``; ``(norm_weight + offset) * s``
+        rounded into ``out[rows]``; the program's ``sum(s^2)`` into ``part[pid]``. The next GEMV scales its sums by
+        :func:`deferred_rstd`: ``rstd * (W @ out)`` stands for ``W @ rms_norm(s)``, with the weight multiplied before
+        the normalisation instead of after (one rounding of the input in either order)."""
+        dt = res_out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        s = rounded(rounded(y, dt, INTERPRETED) + res, dt, INTERPRETED)
+        tl.store(res_out_ptr + rows, s.to(dt), mask=row_mask)
+        w = tl.load(nw_ptr + rows, mask=row_mask, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
+        tl.store(out_ptr + rows, rounded(s * w, dt, INTERPRETED).to(dt), mask=row_mask)
+        tl.store(part_ptr + pid, tl.sum(tl.where(row_mask, s * s, 0.0), axis=0))
+
+    @triton.jit
+    def gemv_epilogue(out_ptr, y, pid, rows, row_mask, N, K, b_ptr, res_ptr, res_out_ptr, nw_ptr, part_ptr, n_parts,
+                      eps, offset, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                      NORM: tl.constexpr, BLOCK_P: tl.constexpr, INTERPRETED: tl.constexpr):
+        """A quantized GEMV's epilogue (:func:`norm_launch_args`): ``NORM`` 0 :func:`store_rows`; 1
+        :func:`store_add_norm`; 2 :func:`store_rows` of ``y`` scaled by :func:`deferred_rstd` of the input."""
+        if NORM == 2:
+            y = y * deferred_rstd(part_ptr, n_parts, K, eps, BLOCK_P)
+        if NORM == 1:
+            store_add_norm(out_ptr, y, pid, rows, row_mask, b_ptr, res_ptr, res_out_ptr, nw_ptr, part_ptr, offset,
+                           HAS_BIAS, INTERPRETED)
+        else:
+            store_rows(out_ptr, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS, GATED, BLOCK_N, INTERPRETED)
+
+    @triton.jit
     def store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, b_ptr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                    INTERPRETED: tl.constexpr):
         """GEMM epilogue: the fp32 partial sum of split ``program_id(1)`` into the ``(SPLIT_K, M, N)`` workspace,
@@ -120,6 +160,55 @@ if triton is not None:
         if INTERPRETED:
             acc = round_rne(acc, out_ptr.dtype.element_ty)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+MAX_NORM_PARTS = 2048  # partial sums a deferred RMSNorm may leave (the GEMV reading them holds them all at once)
+
+
+def norm_launch_args(norm: tuple | None, n_programs: int) -> dict:
+    """Keywords for a GEMV kernel ending in :func:`gemv_epilogue`.
+
+    ``norm``: None (a plain GEMV); ``("in", parts, eps)``: the input is ``(norm_weight + offset) * s`` as
+    :func:`store_add_norm` left it, ``parts`` its partial sums of squares; ``("out", residual, norm_weight, offset,
+    residual_out, parts)``: start the next RMSNorm (``parts`` takes one fp32 sum a program, ``n_programs``).
+    """
+    if norm is None:
+        return dict(res_ptr=None, nw_ptr=None, res_out_ptr=None, part_ptr=None, n_parts=0, eps=0.0, norm_offset=0.0,
+                    NORM=0, BLOCK_P=1)
+    if norm[0] == "in":
+        _, parts, eps = norm
+        return dict(res_ptr=None, nw_ptr=None, res_out_ptr=None, part_ptr=parts, n_parts=parts.numel(), eps=eps,
+                    norm_offset=0.0, NORM=2, BLOCK_P=next_pow2(parts.numel()))
+    _, residual, norm_weight, offset, residual_out, parts = norm
+    assert parts.numel() == n_programs, "one partial sum a program"
+    return dict(res_ptr=residual, nw_ptr=norm_weight, res_out_ptr=residual_out, part_ptr=parts, n_parts=n_programs,
+                eps=0.0, norm_offset=offset, NORM=1, BLOCK_P=1)
+
+
+def check_rstd_parts(parts: torch.Tensor, x: torch.Tensor, block_m: int) -> None:
+    """Validate a deferred RMSNorm's partial sums for a GEMV over ``x`` (``block_m``: the chosen kernel's rows)."""
+    if x.shape[0] != 1 or block_m != 1:
+        raise ValueError(f"rstd_parts needs one token on the GEMV, got x of shape {tuple(x.shape)}")
+    if parts.dim() != 1 or parts.dtype != torch.float32 or not 0 < parts.numel() <= MAX_NORM_PARTS:
+        raise ValueError(f"rstd_parts must be 1-D float32 with 1..{MAX_NORM_PARTS} sums, got {tuple(parts.shape)} "
+                         f"{parts.dtype}")
+
+
+def deferred_rstd_ref(parts: torch.Tensor, k: int, eps: float) -> torch.Tensor:
+    """Reference of :func:`deferred_rstd`: a 0-d fp32 tensor."""
+    return torch.rsqrt(parts.float().sum() / k + eps)
+
+
+def add_norm_ref(y: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, offset: float,
+                 n_parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of :func:`store_add_norm` for ``y: (1, N)`` in fp32 (bias added): ``(out, residual_out, parts)``,
+    the sum of squares whole in ``parts[0]`` of ``n_parts``."""
+    dt = residual.dtype
+    s = (y.to(dt).float() + residual.float()).to(dt)
+    out = (s.float() * (norm_weight.float() + offset)).to(dt)
+    parts = torch.zeros(n_parts, dtype=torch.float32, device=y.device)
+    parts[0] = s.float().pow(2).sum()
+    return out, s, parts
 
 
 def reads_bf16_quads(x: torch.Tensor) -> bool:

@@ -16,15 +16,19 @@ import torch
 import torch.nn.functional as F
 
 from ._qmm import (
+    add_norm_ref,
+    check_rstd_parts,
+    deferred_rstd_ref,
     dense_path,
     field_f32,
+    gemv_epilogue,
     gemv_rows,
     grouped_tile,
     int64_halves,
+    norm_launch_args,
     reads_bf16_quads,
     split_k_plan,
     split_k_reduce,
-    store_rows,
     store_tile,
     w8_to_f32,
 )
@@ -46,10 +50,13 @@ from .act_mul import check_gated, maybe_gated
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
-def w8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference in fp32: ``x: (M, K)``, ``qweight: (N, K)``, ``scales: (N,)`` -> ``(M, N)`` in ``x.dtype``."""
+def w8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                  rstd: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference in fp32: ``x: (M, K)``, ``qweight: (N, K)``, ``scales: (N,)`` -> ``(M, N)`` in ``x.dtype``; the
+    product times ``rstd`` (before the bias) when given."""
     y = (x.float() @ qweight.float().t()) * scales
+    if rstd is not None:
+        y = y * rstd
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
@@ -59,8 +66,9 @@ if triton is not None:
 
     @triton.jit
     def _w8_gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_om,
+                        res_ptr, nw_ptr, res_out_ptr, part_ptr, n_parts, eps, norm_offset,
                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                        NORM: tl.constexpr, BLOCK_P: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         wait_inputs(PDL)
         m = tl.program_id(0)  # tokens vary fastest, so programs sharing weight rows run together (L2 reuse)
         pid = tl.program_id(1)
@@ -76,7 +84,8 @@ if triton is not None:
             acc += w8_to_f32(w) * xk[None, :]
             q_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
-        store_rows(out_ptr + m * stride_om, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS, GATED, BLOCK_N, INTERPRETED)
+        gemv_epilogue(out_ptr + m * stride_om, y, pid, rows, row_mask, N, K, b_ptr, res_ptr, res_out_ptr, nw_ptr,
+                      part_ptr, n_parts, eps, norm_offset, HAS_BIAS, GATED, BLOCK_N, NORM, BLOCK_P, INTERPRETED)
 
     SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: flips each byte's sign bit, q -> q + 128
     BYTE_MAGIC = 0x47000000  # float32 bits of 2^15: a byte u placed at bits 8-15 reads 32768 + u
@@ -125,9 +134,11 @@ if triton is not None:
 
     @triton.jit
     def _w8_gemv_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, KW, stride_xm, stride_qn, stride_om, magic,
+                              res_ptr, nw_ptr, res_out_ptr, part_ptr, n_parts, eps, norm_offset,
                               HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_W: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr, X64: tl.constexpr,
-                              INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                              NORM: tl.constexpr, BLOCK_P: tl.constexpr, INTERPRETED: tl.constexpr,
+                              PDL: tl.constexpr):
         # int8 weights read as int32 words (KW = K // 4; byte b of word t is element 4t + b). XOR-ing 0x80 into each
         # byte gives u = q + 128 in [0, 255]; byte_f32 turns each into offset + u with one instruction, and each
         # word's four products chain onto -(offset + 128) * (its four x summed): y = sum(q * x) * scale, about 4 SASS
@@ -163,7 +174,8 @@ if triton is not None:
             part = tl.fma(byte_f32(u, magic, 2, ASM, PRECISE), x2, part)
             acc += tl.fma(byte_f32(u, magic, 3, ASM, PRECISE), x3, part)
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
-        store_rows(out_ptr + m * stride_om, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS, GATED, BLOCK_N, INTERPRETED)
+        gemv_epilogue(out_ptr + m * stride_om, y, pid, rows, row_mask, N, 4 * KW, b_ptr, res_ptr, res_out_ptr, nw_ptr,
+                      part_ptr, n_parts, eps, norm_offset, HAS_BIAS, GATED, BLOCK_N, NORM, BLOCK_P, INTERPRETED)
 
     @triton.jit
     def _w8_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
@@ -249,40 +261,52 @@ def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, 
     return (128, 128, 64, 8, 3, 0)
 
 
+def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, gated: str,
+                 block_n: int, block_k: int, num_warps: int, num_stages: int, out: torch.Tensor,
+                 norm: tuple | None = None) -> torch.Tensor:
+    """The one-token GEMVs into ``out`` (int8 with K divisible by 4: the word GEMV; else the byte GEMV); ``norm`` as
+    :func:`~llmplug.ops._qmm.norm_launch_args`. A gated GEMV's program holds gate rows and their up rows."""
+    assert x.stride(1) == 1 and qweight.is_contiguous() and scales.dtype == torch.float32, "w8_linear layout"
+    n, k = qweight.shape
+    assert not gated or (n % 2 == 0 and block_n % 2 == 0), "gated GEMV layout"
+    grid = (x.shape[0], triton.cdiv(n, block_n))
+    common = dict(HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, INTERPRETED=INTERPRET, num_warps=num_warps,
+                  num_stages=num_stages, **norm_launch_args(norm, grid[1]), **pdl_options(x))
+    b = bias if bias is not None else scales
+    if qweight.dtype == torch.int8 and k % 4 == 0:
+        words = qweight.view(torch.int32)
+        block_w = min(block_k // 4, next_pow2(k // 4))
+        maybe_wrap(_w8_gemv_words_kernel)[grid](
+            x, words, scales, b, out, n, k // 4, x.stride(0), words.stride(0), out.stride(0), BYTE_MAGIC,
+            BLOCK_W=block_w, EVEN=n % block_n + k // 4 % block_w == 0, ASM=not INTERPRET, X64=reads_bf16_quads(x),
+            **common)
+    else:
+        maybe_wrap(_w8_gemv_kernel)[grid](
+            x, qweight, scales, b, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),
+            BLOCK_K=min(block_k, next_pow2(k)), **common)
+    return out
+
+
 @llmplug_op("w8_linear")
 def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                   gated: str, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-                  split_k: int) -> torch.Tensor:
+                  split_k: int, parts: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     if not use_triton(x):
-        y = w8_linear_ref(x, qweight, scales, bias)
-        return maybe_gated(y, gated)
-    assert x.stride(1) == 1 and qweight.is_contiguous() and scales.dtype == torch.float32, "w8_linear layout"
+        rstd = None if parts is None else deferred_rstd_ref(parts, x.shape[1], eps)
+        return maybe_gated(w8_linear_ref(x, qweight, scales, bias, rstd), gated)
     m = x.shape[0]
     n, k = qweight.shape
-    b = bias if bias is not None else scales
-    if block_m == 1:  # the GEMVs apply the gate in their epilogue: a program's rows are gate rows and their up rows
-        assert not gated or (n % 2 == 0 and block_n % 2 == 0), "gated GEMV layout"
+    if block_m == 1:
         out = x.new_empty((m, n // 2 if gated else n))
-        grid = (m, triton.cdiv(n, block_n))
-        common = dict(HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, INTERPRETED=INTERPRET,
-                      num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
-        if qweight.dtype == torch.int8 and k % 4 == 0:
-            words = qweight.view(torch.int32)
-            block_w = min(block_k // 4, next_pow2(k // 4))
-            maybe_wrap(_w8_gemv_words_kernel)[grid](
-                x, words, scales, b, out, n, k // 4, x.stride(0), words.stride(0), out.stride(0), BYTE_MAGIC,
-                BLOCK_W=block_w, EVEN=n % block_n + k // 4 % block_w == 0, ASM=not INTERPRET,
-                X64=reads_bf16_quads(x), **common)
-        else:
-            maybe_wrap(_w8_gemv_kernel)[grid](
-                x, qweight, scales, b, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),
-                BLOCK_K=min(block_k, next_pow2(k)), **common)
-        return out
+        norm = None if parts is None else ("in", parts, eps)
+        return _launch_gemv(x, qweight, scales, bias, gated, block_n, block_k, num_warps, num_stages, out, norm)
+    assert parts is None, "a deferred RMSNorm needs the GEMV"
     out = x.new_empty((m, n))
     block_k = max(16, min(block_k, next_pow2(k)))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps_per_split, split, dest = split_k_plan(split_k, tiles, triton.cdiv(k, block_k), out)
     k_per_split = steps_per_split * block_k
+    b = bias if bias is not None else scales
     maybe_wrap(_w8_gemm_kernel)[(tiles, split)](
         x, qweight, scales, b, dest, m, n, k, k_per_split, x.stride(0), qweight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_M=8,
@@ -290,6 +314,29 @@ def _w8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         num_stages=num_stages, **pdl_options(x))
     out = out if split == 1 else split_k_reduce(dest, bias, out)
     return maybe_gated(out, gated)
+
+
+@llmplug_op("w8_linear_add_norm")
+def _w8_linear_add_norm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                           residual: torch.Tensor, norm_weight: torch.Tensor, offset: float, block_n: int,
+                           block_k: int, num_warps: int,
+                           num_stages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n_parts = triton.cdiv(qweight.shape[0], block_n)
+    if not use_triton(x):
+        y = (x.float() @ qweight.float().t()) * scales
+        return add_norm_ref(y if bias is None else y + bias.float(), residual, norm_weight, offset, n_parts)
+    out, residual_out = x.new_empty((1, qweight.shape[0])), torch.empty_like(residual)
+    parts = torch.empty(n_parts, dtype=torch.float32, device=x.device)
+    norm = ("out", residual, norm_weight, offset, residual_out, parts)
+    _launch_gemv(x, qweight, scales, bias, "", block_n, block_k, num_warps, num_stages, out, norm)
+    return out, residual_out, parts
+
+
+@_w8_linear_add_norm_op.register_fake
+def _(x, qweight, scales, bias, residual, norm_weight, offset, block_n, block_k, num_warps, num_stages):
+    n = qweight.shape[0]
+    return (x.new_empty((1, n)), residual.new_empty(residual.shape),
+            x.new_empty((-(-n // block_n),), dtype=torch.float32))
 
 
 @llmplug_op("w8_dequantize")
@@ -315,12 +362,13 @@ def w8_dequantize(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 
 
 @_w8_linear_op.register_fake
-def _(x, qweight, scales, bias, gated, block_m, block_n, block_k, num_warps, num_stages, split_k):
+def _(x, qweight, scales, bias, gated, block_m, block_n, block_k, num_warps, num_stages, split_k, parts=None, eps=0.0):
     return x.new_empty((x.shape[0], qweight.shape[0] // 2 if gated else qweight.shape[0]))
 
 
 def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-              config: tuple[int, int, int, int, int, int] | None = None, gated: str = "") -> torch.Tensor:
+              config: tuple[int, int, int, int, int, int] | None = None, gated: str = "",
+              rstd_parts: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """``x @ (qweight * scales[:, None])^T (+ bias)`` without materialising the dequantised weight.
 
     Args:
@@ -333,6 +381,9 @@ def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
         gated: ``""``, or ``"silu"`` / ``"gelu_tanh"`` for a fused gate/up weight (gate rows, then up rows): returns
             ``act(y[:, :N/2]) * y[:, N/2:]`` (as :func:`~llmplug.ops.act_mul.act_and_mul` of the product), in the
             one-token GEMV's epilogue.
+        rstd_parts, eps: ``x`` is the output of :func:`w8_linear_add_norm` (or another GEMV ending in
+            :func:`~llmplug.ops._qmm.store_add_norm`) and ``rstd_parts`` its partial sums of squares: the product is
+            scaled by that RMSNorm's ``rsqrt(mean square + eps)`` before the bias. One token only (the GEMV).
 
     Returns:
         ``(M, N)`` in ``x.dtype``, ``(M, N / 2)`` when gated.
@@ -349,4 +400,33 @@ def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
         y = F.linear(x, w8_dequantize(qweight, scales, x.dtype), bias)
         return maybe_gated(y, gated)
     config = config or choose_config(x.shape[0], n, k, fp8=qweight.dtype == torch.float8_e4m3fn)
-    return call_op(_w8_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias, gated, *config)
+    if rstd_parts is not None:
+        check_rstd_parts(rstd_parts, x, config[0])
+    return call_op(_w8_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias, gated, *config,
+                   rstd_parts, float(eps))
+
+
+def w8_linear_add_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                       residual: torch.Tensor, norm_weight: torch.Tensor,
+                       offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's ``y = w8_linear(x, ...)`` ending the decoder's residual add and starting its next RMSNorm.
+
+    Args:
+        x: ``(1, K)``; qweight, scales, bias: as :func:`w8_linear` (``N`` the hidden size).
+        residual: ``(1, N)`` in ``x.dtype``; norm_weight: ``(N,)``; offset: added to the norm weight (Gemma's 1).
+
+    Returns:
+        ``(out, residual_out, parts)``: ``residual_out = y + residual`` (rounded as HF rounds the two),
+        ``out = (norm_weight + offset) * residual_out`` rounded to ``x.dtype``, and ``parts`` fp32 partial sums of
+        ``residual_out ** 2`` for the next GEMV's ``rstd_parts`` (:func:`w8_linear`), which finishes the norm.
+    """
+    n, k = qweight.shape
+    if x.dim() != 2 or x.shape != (1, k):
+        raise ValueError(f"x must be (1, {k}) (one token), got {tuple(x.shape)}")
+    if residual.shape != (1, n) or residual.dtype != x.dtype or norm_weight.shape != (n,):
+        raise ValueError(f"residual must be (1, {n}) {x.dtype} and norm_weight ({n},), got {tuple(residual.shape)} "
+                         f"{residual.dtype} and {tuple(norm_weight.shape)}")
+    _, block_n, block_k, num_warps, num_stages, _ = choose_config(1, n, k, fp8=qweight.dtype == torch.float8_e4m3fn)
+    return call_op(_w8_linear_add_norm_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias,
+                   residual.contiguous(), norm_weight.contiguous(), float(offset), block_n, block_k, num_warps,
+                   num_stages)

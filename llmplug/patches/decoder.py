@@ -150,13 +150,25 @@ class FusedDecoder:
     def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         return rms_norm(x, norm.weight, _eps(norm), self.spec.norm_offset)
 
-    def _add_norm_matmul(self, linear: Linear, hidden: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module,
-                         gated: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-        """``(linear(rms_norm(hidden + residual)), hidden + residual)``, gated when asked. One token on CUDA with a
-        plain weight where it pays (:func:`~llmplug.ops.gemv.norm_in_prologue`): the norm runs in the GEMV's prologue
-        (:func:`~llmplug.ops.gemv.add_norm_gemv`), one kernel fewer. NOTE: H200, 2026-11-22, ``benchmarks/ab_replay.py
-        norm_gemv``: see BENCHMARKS.md."""
+    def _add_norm_matmul(self, linear: Linear, producer: Linear | None, x: torch.Tensor, residual: torch.Tensor,
+                         norm: torch.nn.Module, gated: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(linear(rms_norm(hidden + residual)), hidden + residual)`` with ``hidden = producer.matmul(x)`` (``x``
+        itself when ``producer`` is None), gated when asked.
+
+        One token on CUDA: between two quantized GEMVs that can (:meth:`QuantLinear.norm_gemv`) the producer's
+        epilogue adds the residual and starts the norm, the consumer's finishes it
+        (:meth:`QuantLinear.matmul_add_norm`), no norm kernel; with a plain weight where it pays
+        (:func:`~llmplug.ops.gemv.norm_in_prologue`) the norm runs in the GEMV's prologue
+        (:func:`~llmplug.ops.gemv.add_norm_gemv`). NOTE: H200, 2026-11-22, ``benchmarks/ab_replay.py norm_gemv``: see
+        BENCHMARKS.md."""
         eps, offset = _eps(norm), self.spec.norm_offset
+        if (isinstance(producer, QuantLinear) and isinstance(linear, QuantLinear) and producer.norm_gemv(x)
+                and linear.norm_gemv(x)):
+            out, residual, parts = producer.matmul_add_norm(x, residual, norm.weight, offset)
+            if gated:
+                return linear.gated_matmul(out, gated, rstd_parts=parts, eps=eps), residual
+            return linear.matmul(out, rstd_parts=parts, eps=eps), residual
+        hidden = x if producer is None else producer.matmul(x)
         if (isinstance(linear, Dense) and hidden.shape[0] == 1 and hidden.is_cuda
                 and hidden.dtype == linear.weight.dtype and norm_in_prologue(linear.weight)):
             return add_norm_gemv(hidden, residual, norm.weight, eps, offset, linear.weight, linear.bias, gated=gated)
@@ -198,13 +210,13 @@ class FusedDecoder:
         hidden = self.base.embed_tokens(input_ids)
         rope = self._rotary(hidden, positions, runner)
         t, d = input_ids.shape[0], self.head_dim
-        residual = None
+        residual, producer, x = None, None, hidden  # a layer's input is producer.matmul(x), or x with no producer
         for i, lay in enumerate(self.layers):
             layer, attn = lay.module, lay.module.self_attn
             if residual is None:
                 residual, qkv = hidden, lay.qkv.matmul(self._norm(hidden, layer.input_layernorm))
             else:
-                qkv, residual = self._add_norm_matmul(lay.qkv, hidden, residual, layer.input_layernorm)
+                qkv, residual = self._add_norm_matmul(lay.qkv, producer, x, residual, layer.input_layernorm)
             q = qkv[:, :lay.q_size].view(t, -1, d)
             k = qkv[:, lay.q_size:lay.q_size + lay.kv_size].view(t, -1, d)
             v = qkv[:, lay.q_size + lay.kv_size:].view(t, -1, d)
@@ -215,19 +227,19 @@ class FusedDecoder:
             rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, lay.scale, lay.window, lay.softcap, stored=True,
                                 k_scale=k_scale, v_scale=v_scale)
-            hidden = lay.o.matmul(o.view(t, -1))
-            if spec.sandwich_norms:
-                hidden = self._norm(hidden, layer.post_attention_layernorm)
-                norm = layer.pre_feedforward_layernorm
+            if spec.sandwich_norms:  # the norm after each sublayer comes before the residual add
+                hidden = self._norm(lay.o.matmul(o.view(t, -1)), layer.post_attention_layernorm)
+                gated, residual = self._add_norm_matmul(lay.gate_up, None, hidden, residual,
+                                                        layer.pre_feedforward_layernorm, self.activation)
+                producer, x = None, self._norm(lay.down.matmul(gated), layer.post_feedforward_layernorm)
             else:
-                norm = layer.post_attention_layernorm
-            gated, residual = self._add_norm_matmul(lay.gate_up, hidden, residual, norm, self.activation)
-            hidden = lay.down.matmul(gated)
-            if spec.sandwich_norms:
-                hidden = self._norm(hidden, layer.post_feedforward_layernorm)
+                gated, residual = self._add_norm_matmul(lay.gate_up, lay.o, o.view(t, -1), residual,
+                                                        layer.post_attention_layernorm, self.activation)
+                producer, x = lay.down, gated
+        hidden = x if producer is None else producer.matmul(x)
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]
-        logits, _ = self._add_norm_matmul(self.lm_head, hidden, residual, self.base.norm)
+        logits, _ = self._add_norm_matmul(self.lm_head, None, hidden, residual, self.base.norm)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -8,7 +8,7 @@ import torch.nn as nn
 from ..ops.act_mul import act_and_mul
 from ..ops.fp8_linear import fp8_linear, scaled_mm_supported
 from ..ops.w4_linear import w4_linear
-from ..ops.w8_linear import w8_linear
+from ..ops.w8_linear import w8_linear, w8_linear_add_norm
 from .formats import dequantize_int4, dequantize_rowwise, quantize_fp8, quantize_int4, quantize_int8
 
 METHODS = ("int8", "int4", "fp8")
@@ -67,26 +67,43 @@ class QuantLinear(nn.Module):
             q.bias.data.copy_(linear.bias.detach())
         return q
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: (M, K)`` -> ``(M, N)``; the kernel is chosen by ``M``."""
+    def matmul(self, x: torch.Tensor, rstd_parts: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        """``x: (M, K)`` -> ``(M, N)``; the kernel is chosen by ``M``. ``rstd_parts, eps``: ``x`` is the first half
+        of an RMSNorm (:meth:`matmul_add_norm`), finished here (one token, :meth:`norm_gemv`)."""
         x = self._permuted(x)
         if self.method == "int4":
             return w4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
         if self._fp8_gemm(x):
             return fp8_linear(x, self.qweight, self.scales, self.bias)
-        return w8_linear(x, self.qweight, self.scales, self.bias)
+        return w8_linear(x, self.qweight, self.scales, self.bias, rstd_parts=rstd_parts, eps=eps)
 
-    def gated_matmul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+    def gated_matmul(self, x: torch.Tensor, activation: str, rstd_parts: torch.Tensor | None = None,
+                     eps: float = 0.0) -> torch.Tensor:
         """``act(x @ W_gate^T) * (x @ W_up^T)`` for a fused gate/up module (gate rows first): ``x: (M, K)`` ->
-        ``(M, N / 2)``. The weight-only kernels apply it in the one-token GEMV's epilogue. NOTE: applied to
-        the down projection's input instead, it cost more than it saved (H100, 8B down projection, int8 30.8 us
-        fused against 23.3 + ~3 us): every program re-read and re-activated the whole gate/up row."""
+        ``(M, N / 2)``; ``rstd_parts, eps`` as :meth:`matmul`. The weight-only kernels apply it in the one-token
+        GEMV's epilogue. NOTE: applied to the down projection's input instead, it cost more than it saved (H100, 8B
+        down projection, int8 30.8 us fused against 23.3 + ~3 us): every program re-read and re-activated the whole
+        gate/up row."""
         if self.method == "int4":
             return w4_linear(self._permuted(x), self.qweight, self.scales, self.zeros, self.group_size, self.bias,
                              gated=activation)
         if self._fp8_gemm(x):
             return act_and_mul(self.matmul(x), activation)
-        return w8_linear(self._permuted(x), self.qweight, self.scales, self.bias, gated=activation)
+        return w8_linear(self._permuted(x), self.qweight, self.scales, self.bias, gated=activation,
+                         rstd_parts=rstd_parts, eps=eps)
+
+    def norm_gemv(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` (one token on CUDA) runs on a GEMV that can end a decoder's residual add and start its next
+        RMSNorm (:meth:`matmul_add_norm`) or finish one (``rstd_parts``): int8 and fp8 weights."""
+        return self.method in ("int8", "fp8") and x.shape[0] == 1 and x.is_cuda
+
+    def matmul_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token: ``residual_out = x @ W^T + b + residual`` and the first half of the RMSNorm after it, as
+        :func:`~llmplug.ops.w8_linear.w8_linear_add_norm`: ``(out, residual_out, parts)``; the next module's
+        ``matmul(out, rstd_parts=parts, eps=...)`` finishes the norm."""
+        return w8_linear_add_norm(self._permuted(x), self.qweight, self.scales, self.bias, residual, norm_weight,
+                                  offset)
 
     def _permuted(self, x: torch.Tensor) -> torch.Tensor:
         """``x[:, perm]`` for act-order checkpoints, else ``x``."""

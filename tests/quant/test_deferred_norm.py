@@ -1,0 +1,62 @@
+"""A decoder's residual add + RMSNorm split over two quantized GEMVs (under the Triton interpreter on CPU): the
+producer adds the residual and leaves ``(norm_weight + offset) * s`` with partial sums of squares, the consumer
+scales its product by the norm's rsqrt. Against add_rms_norm followed by the consumer's reference."""
+
+import pytest
+import torch
+
+from llmplug.ops.act_mul import act_and_mul_ref
+from llmplug.ops.rms_norm import add_rms_norm_ref
+from llmplug.ops.w8_linear import w8_linear, w8_linear_add_norm, w8_linear_ref
+from llmplug.quant.formats import quantize_fp8, quantize_int8, sqnr_db
+from tests.tolerances import KERNEL_VS_REF_SQNR_DB
+
+QUANTIZE = {"int8": quantize_int8, "fp8": quantize_fp8}
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("gated", ["", "silu"])
+def test_w8_add_norm_then_rstd(method, dtype, offset, gated):
+    hidden, k_in, n_out, eps = 72, 100, 38, 1e-5  # 100: the byte GEMV for int8 too (K % 4 == 0 -> words)
+    q1, s1 = QUANTIZE[method](torch.randn(hidden, k_in))
+    q2, s2 = QUANTIZE[method](torch.randn(n_out, hidden))
+    b1, b2 = torch.randn(hidden, dtype=dtype), torch.randn(n_out, dtype=dtype)
+    x, residual = torch.randn(1, k_in, dtype=dtype), torch.randn(1, hidden, dtype=dtype)
+    norm_weight = torch.rand(hidden, dtype=dtype) + 0.5
+
+    out, residual_out, parts = w8_linear_add_norm(x, q1, s1, b1, residual, norm_weight, offset)
+    y1 = w8_linear(x, q1, s1, b1)  # the same GEMV with a plain epilogue: the same sums
+    normed, want_residual = add_rms_norm_ref(y1, residual, norm_weight, eps, offset)
+    assert out.shape == residual_out.shape == (1, hidden) and out.dtype == residual_out.dtype == dtype
+    torch.testing.assert_close(residual_out, want_residual, rtol=0, atol=0)  # rounded as HF rounds: y, then the sum
+    torch.testing.assert_close(parts.sum(), want_residual.float().pow(2).sum(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.float(), (want_residual.float() * (norm_weight.float() + offset)).to(dtype).float(),
+                               rtol=0, atol=0)
+
+    y2 = w8_linear(out, q2, s2, b2, gated=gated, rstd_parts=parts, eps=eps)
+    hf_order = w8_linear_ref(normed, q2, s2, b2)  # the input rounded after the norm, as HF rounds it
+    hf_order = act_and_mul_ref(hf_order, gated) if gated else hf_order
+    assert y2.shape == hf_order.shape and y2.dtype == dtype
+    # exact: the same residual stream, the norm and both products in fp64 (the weight is rounded before the
+    # normalisation here, after it in HF: either order is as far from exact)
+    s64 = want_residual.double()
+    normed64 = s64 * torch.rsqrt(s64.pow(2).mean() + eps) * (norm_weight.double() + offset)
+    exact = (normed64 @ (q2.double() * s2.double()[:, None]).t()) + b2.double()
+    exact = act_and_mul_ref(exact, gated) if gated else exact
+    assert sqnr_db(exact, y2) >= min(sqnr_db(exact, hf_order) - 3.0, KERNEL_VS_REF_SQNR_DB)
+    assert sqnr_db(hf_order, y2) >= 30.0  # no stray factor or lost term (a 1% error gives 40 dB)
+
+
+def test_rstd_parts_errors():
+    q, s = quantize_int8(torch.randn(8, 16))
+    x, parts = torch.randn(2, 16), torch.ones(3)
+    with pytest.raises(ValueError, match="one token"):
+        w8_linear(x, q, s, rstd_parts=parts)
+    with pytest.raises(ValueError, match="1-D float32"):
+        w8_linear(x[:1], q, s, rstd_parts=parts.double())
+    with pytest.raises(ValueError, match="one token"):
+        w8_linear_add_norm(x, q, s, None, torch.randn(1, 8), torch.randn(8))
+    with pytest.raises(ValueError, match="residual"):
+        w8_linear_add_norm(x[:1], q, s, None, torch.randn(1, 9), torch.randn(8))

@@ -25,16 +25,20 @@ import torch
 import torch.nn.functional as F
 
 from ._qmm import (
+    add_norm_ref,
+    check_rstd_parts,
+    deferred_rstd_ref,
     dense_path,
     field_f32,
+    gemv_epilogue,
     gemv_rows,
     grouped_tile,
     int64_halves,
+    norm_launch_args,
     reads_bf16_quads,
     smem_bytes,
     split_k_plan,
     split_k_reduce,
-    store_rows,
     store_tile,
     u32_to_f32,
 )
@@ -54,14 +58,18 @@ from .act_mul import check_gated, maybe_gated
 
 
 def w4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: dequantise in fp32, matmul in fp32. ``x: (M, K)`` -> ``(M, N)`` in ``x.dtype``."""
+                  group_size: int, bias: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reference: dequantise in fp32, matmul in fp32. ``x: (M, K)`` -> ``(M, N)`` in ``x.dtype`` (``out_dtype``);
+    the product times ``rstd`` (before the bias) when given."""
     from ..quant.formats import dequantize_int4
 
     y = x.float() @ dequantize_int4(qweight, scales, zeros, group_size, torch.float32).t()
+    if rstd is not None:
+        y = y * rstd
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
 
 
 if triton is not None:
@@ -97,9 +105,10 @@ if triton is not None:
 
     @triton.jit
     def _w4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_sn,
-                        stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
+                        stride_om, res_ptr, nw_ptr, res_out_ptr, part_ptr, n_parts, eps, norm_offset,
+                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, PACKED_DOT: tl.constexpr,
-                        INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                        NORM: tl.constexpr, BLOCK_P: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         # qweight read as int32 words: word t of a group's row holds bytes 4t..4t+3, i.e. the low nibbles of
         # elements 4t..4t+3 and the high nibbles of elements HALF+4t..HALF+4t+3 (byte b at bits 8b).
         GPS: tl.constexpr = GROUPS_PER_STEP
@@ -160,7 +169,8 @@ if triton is not None:
                 acc += s.to(tl.float32)[:, :, None] * (part - z128[:, :, None] * x_sum[None])
             w, s, z = w_next, s_next, z_next
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
-        store_rows(out_ptr + m * stride_om, y, pid, rows, row_mask, N, b_ptr, HAS_BIAS, GATED, BLOCK_N, INTERPRETED)
+        gemv_epilogue(out_ptr + m * stride_om, y, pid, rows, row_mask, N, K, b_ptr, res_ptr, res_out_ptr, nw_ptr,
+                      part_ptr, n_parts, eps, norm_offset, HAS_BIAS, GATED, BLOCK_N, NORM, BLOCK_P, INTERPRETED)
 
     def _dequant_asm(magic: str, suffix: str) -> tl.constexpr:
         """PTX for :func:`dequant_pairs` on four bytes: ``$4`` the bytes, ``$5, $6`` the zero points (plus the
@@ -375,48 +385,103 @@ def w4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return call_op(_w4_dequantize_op, qweight, scales, zeros, group_size, dtype)
 
 
+def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None, gated: str, block_n: int, groups_per_step: int,
+                 num_warps: int, num_stages: int, out: torch.Tensor, norm: tuple | None = None) -> torch.Tensor:
+    """The one-token GEMV into ``out``; ``norm`` as :func:`~llmplug.ops._qmm.norm_launch_args`. A gated GEMV's
+    program holds gate rows and their up rows."""
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    assert not gated or (n % 2 == 0 and block_n % 2 == 0), "gated GEMV layout"
+    words = qweight.view(torch.int32)
+    grid = (x.shape[0], triton.cdiv(n, block_n))
+    maybe_wrap(_w4_gemv_kernel)[grid](
+        x, words, scales, zeros, bias if bias is not None else scales, out, n, k, x.stride(0), words.stride(0),
+        scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, GATED=gated, GROUP=group_size, BLOCK_N=block_n,
+        GROUPS_PER_STEP=groups_per_step, PACKED_DOT=packed_gemv(x, scales, zeros), INTERPRETED=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages, **norm_launch_args(norm, grid[1]), **pdl_options(x))
+    return out
+
+
 @llmplug_op("w4_linear")
 def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int, bias: torch.Tensor | None, gated: str, block_m: int, block_n: int,
-                  groups_per_step: int, num_warps: int, num_stages: int, split_k: int) -> torch.Tensor:
+                  groups_per_step: int, num_warps: int, num_stages: int, split_k: int,
+                  parts: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     if not use_triton(x):
-        y = w4_linear_ref(x, qweight, scales, zeros, group_size, bias)
-        return maybe_gated(y, gated)
+        rstd = None if parts is None else deferred_rstd_ref(parts, x.shape[1], eps)
+        return maybe_gated(w4_linear_ref(x, qweight, scales, zeros, group_size, bias, rstd), gated)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
     m = x.shape[0]
     n, k = qweight.shape[0], 2 * qweight.shape[1]
-    b = bias if bias is not None else scales
-    common = dict(HAS_BIAS=bias is not None, GROUP=group_size, BLOCK_N=block_n, INTERPRETED=INTERPRET,
-                  num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
-    if block_m == 1:  # the GEMV applies the gate in its epilogue: a program's rows are gate rows and their up rows
-        assert not gated or (n % 2 == 0 and block_n % 2 == 0), "gated GEMV layout"
+    if block_m == 1:  # the GEMV applies the gate in its epilogue
         out = x.new_empty((m, n // 2 if gated else n))
-        words = qweight.view(torch.int32)
-        maybe_wrap(_w4_gemv_kernel)[(m, triton.cdiv(n, block_n))](
-            x, words, scales, zeros, b, out, n, k, x.stride(0), words.stride(0), scales.stride(0), out.stride(0),
-            GATED=gated, GROUPS_PER_STEP=groups_per_step, PACKED_DOT=packed_gemv(x, scales, zeros), **common)
-        return out
+        norm = None if parts is None else ("in", parts, eps)
+        return _launch_gemv(x, qweight, scales, zeros, group_size, bias, gated, block_n, groups_per_step, num_warps,
+                            num_stages, out, norm)
+    assert parts is None, "a deferred RMSNorm needs the GEMV"
+    b = bias if bias is not None else scales
     out = x.new_empty((m, n))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     per_split, split, dest = split_k_plan(split_k, tiles, k // group_size, out)
     maybe_wrap(_w4_gemm_kernel)[(tiles, split)](
         x, qweight, scales, zeros, b, dest, m, n, k, per_split, x.stride(0), qweight.stride(0), scales.stride(0),
-        out.stride(0), BLOCK_M=block_m, SPLIT_K=split, GROUP_M=8,
+        out.stride(0), HAS_BIAS=bias is not None, GROUP=group_size, BLOCK_N=block_n, INTERPRETED=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages, BLOCK_M=block_m, SPLIT_K=split, GROUP_M=8,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PACKED_DEQUANT=packed_dequant(x, scales, zeros), **common)
+        PACKED_DEQUANT=packed_dequant(x, scales, zeros), **pdl_options(x))
     out = out if split == 1 else split_k_reduce(dest, bias, out)
     return maybe_gated(out, gated)
 
 
+@llmplug_op("w4_linear_add_norm")
+def _w4_linear_add_norm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                           group_size: int, bias: torch.Tensor | None, residual: torch.Tensor,
+                           norm_weight: torch.Tensor, offset: float, block_n: int, groups_per_step: int,
+                           num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = qweight.shape[0]
+    n_parts = triton.cdiv(n, block_n)
+    if not use_triton(x):
+        y = w4_linear_ref(x, qweight, scales, zeros, group_size, bias, out_dtype=torch.float32)
+        return add_norm_ref(y, residual, norm_weight, offset, n_parts)
+    out, residual_out = x.new_empty((1, n)), torch.empty_like(residual)
+    parts = torch.empty(n_parts, dtype=torch.float32, device=x.device)
+    _launch_gemv(x, qweight, scales, zeros, group_size, bias, "", block_n, groups_per_step, num_warps, num_stages,
+                 out, ("out", residual, norm_weight, offset, residual_out, parts))
+    return out, residual_out, parts
+
+
+@_w4_linear_add_norm_op.register_fake
+def _(x, qweight, scales, zeros, group_size, bias, residual, norm_weight, offset, block_n, groups_per_step,
+      num_warps, num_stages):
+    n = qweight.shape[0]
+    return (x.new_empty((1, n)), residual.new_empty(residual.shape),
+            x.new_empty((-(-n // block_n),), dtype=torch.float32))
+
+
 @_w4_linear_op.register_fake
 def _(x, qweight, scales, zeros, group_size, bias, gated, block_m, block_n, groups_per_step, num_warps,
-      num_stages, split_k):
+      num_stages, split_k, parts=None, eps=0.0):
     return x.new_empty((x.shape[0], qweight.shape[0] // 2 if gated else qweight.shape[0]))
+
+
+def _default_config(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int) -> tuple[int, int, int, int, int, int]:
+    """:func:`choose_config` for these operands."""
+    return choose_config(x.shape[0], qweight.shape[0], 2 * qweight.shape[1], group_size,
+                         packed=packed_dequant(x, scales, zeros), x_bytes=x.element_size(), smem=smem_bytes(x.device),
+                         packed_gemv=packed_gemv(x, scales, zeros))
+
+
+def uses_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int) -> bool:
+    """Whether :func:`w4_linear` runs ``x`` on the GEMV (one token; some shapes take the GEMM at one token when the
+    GEMV cannot multiply in packed bf16), which can start or finish an RMSNorm (:func:`w4_linear_add_norm`)."""
+    return x.shape[0] == 1 and _default_config(x, qweight, scales, zeros, group_size)[0] == 1
 
 
 def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               bias: torch.Tensor | None = None, config: tuple[int, int, int, int, int, int] | None = None,
-              gated: str = "") -> torch.Tensor:
+              gated: str = "", rstd_parts: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the packed int4 ``W`` without materialising it.
 
     Args:
@@ -430,6 +495,10 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         gated: ``""``, or ``"silu"`` / ``"gelu_tanh"`` for a fused gate/up weight (gate rows, then up rows): returns
             ``act(y[:, :N/2]) * y[:, N/2:]`` (as :func:`~llmplug.ops.act_mul.act_and_mul` of the product), in the
             one-token GEMV's epilogue.
+        rstd_parts, eps: ``x`` is the output of :func:`w4_linear_add_norm` (or another GEMV ending in
+            :func:`~llmplug.ops._qmm.store_add_norm`) and ``rstd_parts`` its partial sums of squares: the product is
+            scaled by that RMSNorm's ``rsqrt(mean square + eps)`` before the bias. One token on the GEMV only
+            (:func:`uses_gemv`).
 
     Returns:
         ``(M, N)`` in ``x.dtype``, ``(M, N / 2)`` when gated.
@@ -449,8 +518,29 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if config is None and dense_path(x, DENSE_MIN_TOKENS):
         y = F.linear(x, w4_dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
         return maybe_gated(y, gated)
-    config = config or choose_config(x.shape[0], n, k, group_size, packed=packed_dequant(x, scales, zeros),
-                                     x_bytes=x.element_size(), smem=smem_bytes(x.device),
-                                     packed_gemv=packed_gemv(x, scales, zeros))
+    config = config or _default_config(x, qweight, scales, zeros, group_size)
+    if rstd_parts is not None:
+        check_rstd_parts(rstd_parts, x, config[0])
     return call_op(_w4_linear_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,
-                   gated, *config)
+                   gated, *config, rstd_parts, float(eps))
+
+
+def w4_linear_add_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       group_size: int, bias: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
+                       offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's ``y = w4_linear(x, ...)`` ending the decoder's residual add and starting its next RMSNorm, as
+    :func:`~llmplug.ops.w8_linear.w8_linear_add_norm` (same arguments and results); on the GEMV only
+    (:func:`uses_gemv`)."""
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    if x.dim() != 2 or x.shape != (1, k):
+        raise ValueError(f"x must be (1, {k}) (one token), got {tuple(x.shape)}")
+    if residual.shape != (1, n) or residual.dtype != x.dtype or norm_weight.shape != (n,):
+        raise ValueError(f"residual must be (1, {n}) {x.dtype} and norm_weight ({n},), got {tuple(residual.shape)} "
+                         f"{residual.dtype} and {tuple(norm_weight.shape)}")
+    block_m, block_n, groups_per_step, num_warps, num_stages, _ = _default_config(x, qweight, scales, zeros,
+                                                                                  group_size)
+    if block_m != 1:
+        raise ValueError("w4_linear_add_norm needs the GEMV (uses_gemv), which this input and weight do not take")
+    return call_op(_w4_linear_add_norm_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros,
+                   group_size, bias, residual.contiguous(), norm_weight.contiguous(), float(offset), block_n,
+                   groups_per_step, num_warps, num_stages)

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from ..ops.act_mul import act_and_mul
 from ..ops.fp8_linear import fp8_linear, scaled_mm_supported
-from ..ops.w4_linear import w4_linear
+from ..ops.w4_linear import uses_gemv, w4_linear, w4_linear_add_norm
 from ..ops.w8_linear import w8_linear, w8_linear_add_norm
 from .formats import dequantize_int4, dequantize_rowwise, quantize_fp8, quantize_int4, quantize_int8
 
@@ -72,7 +72,8 @@ class QuantLinear(nn.Module):
         of an RMSNorm (:meth:`matmul_add_norm`), finished here (one token, :meth:`norm_gemv`)."""
         x = self._permuted(x)
         if self.method == "int4":
-            return w4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+            return w4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
+                             rstd_parts=rstd_parts, eps=eps)
         if self._fp8_gemm(x):
             return fp8_linear(x, self.qweight, self.scales, self.bias)
         return w8_linear(x, self.qweight, self.scales, self.bias, rstd_parts=rstd_parts, eps=eps)
@@ -86,7 +87,7 @@ class QuantLinear(nn.Module):
         gate/up row."""
         if self.method == "int4":
             return w4_linear(self._permuted(x), self.qweight, self.scales, self.zeros, self.group_size, self.bias,
-                             gated=activation)
+                             gated=activation, rstd_parts=rstd_parts, eps=eps)
         if self._fp8_gemm(x):
             return act_and_mul(self.matmul(x), activation)
         return w8_linear(self._permuted(x), self.qweight, self.scales, self.bias, gated=activation,
@@ -94,14 +95,23 @@ class QuantLinear(nn.Module):
 
     def norm_gemv(self, x: torch.Tensor) -> bool:
         """Whether ``x`` (one token on CUDA) runs on a GEMV that can end a decoder's residual add and start its next
-        RMSNorm (:meth:`matmul_add_norm`) or finish one (``rstd_parts``): int8 and fp8 weights."""
-        return self.method in ("int8", "fp8") and x.shape[0] == 1 and x.is_cuda
+        RMSNorm (:meth:`matmul_add_norm`) or finish one (``rstd_parts``): int8 and fp8 weights, int4 where it takes
+        the GEMV."""
+        if x.shape[0] != 1 or not x.is_cuda:
+            return False
+        if self.method == "int4":
+            return uses_gemv(x, self.qweight, self.scales, self.zeros, self.group_size)
+        return True
 
     def matmul_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                         offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token: ``residual_out = x @ W^T + b + residual`` and the first half of the RMSNorm after it, as
-        :func:`~llmplug.ops.w8_linear.w8_linear_add_norm`: ``(out, residual_out, parts)``; the next module's
+        :func:`~llmplug.ops.w8_linear.w8_linear_add_norm` (int4: ``w4_linear_add_norm``): ``(out, residual_out,
+        parts)``; the next module's
         ``matmul(out, rstd_parts=parts, eps=...)`` finishes the norm."""
+        if self.method == "int4":
+            return w4_linear_add_norm(self._permuted(x), self.qweight, self.scales, self.zeros, self.group_size,
+                                      self.bias, residual, norm_weight, offset)
         return w8_linear_add_norm(self._permuted(x), self.qweight, self.scales, self.bias, residual, norm_weight,
                                   offset)
 

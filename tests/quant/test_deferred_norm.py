@@ -7,8 +7,9 @@ import torch
 
 from llmplug.ops.act_mul import act_and_mul_ref
 from llmplug.ops.rms_norm import add_rms_norm_ref
+from llmplug.ops.w4_linear import w4_linear, w4_linear_add_norm, w4_linear_ref
 from llmplug.ops.w8_linear import w8_linear, w8_linear_add_norm, w8_linear_ref
-from llmplug.quant.formats import quantize_fp8, quantize_int8, sqnr_db
+from llmplug.quant.formats import quantize_fp8, quantize_int4, quantize_int8, sqnr_db
 from tests.tolerances import KERNEL_VS_REF_SQNR_DB
 
 QUANTIZE = {"int8": quantize_int8, "fp8": quantize_fp8}
@@ -60,3 +61,25 @@ def test_rstd_parts_errors():
         w8_linear_add_norm(x, q, s, None, torch.randn(1, 8), torch.randn(8))
     with pytest.raises(ValueError, match="residual"):
         w8_linear_add_norm(x[:1], q, s, None, torch.randn(1, 9), torch.randn(8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("gated", ["", "silu"])
+def test_w4_add_norm_then_rstd(dtype, gated):
+    hidden, k_in, n_out, group, eps, offset = 64, 256, 38, 64, 1e-6, 0.0
+    q1, s1, z1 = (t.to(dtype) if t.is_floating_point() else t for t in quantize_int4(torch.randn(hidden, k_in), group))
+    q2, s2, z2 = (t.to(dtype) if t.is_floating_point() else t for t in quantize_int4(torch.randn(n_out, hidden), 32))
+    b1 = torch.randn(hidden, dtype=dtype)
+    x, residual = torch.randn(1, k_in, dtype=dtype), torch.randn(1, hidden, dtype=dtype)
+    norm_weight = torch.rand(hidden, dtype=dtype) + 0.5
+
+    out, residual_out, parts = w4_linear_add_norm(x, q1, s1, z1, group, b1, residual, norm_weight, offset)
+    normed, want_residual = add_rms_norm_ref(w4_linear(x, q1, s1, z1, group, b1), residual, norm_weight, eps, offset)
+    torch.testing.assert_close(residual_out, want_residual, rtol=0, atol=0)
+    torch.testing.assert_close(parts.sum(), want_residual.float().pow(2).sum(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.float(), (want_residual.float() * norm_weight.float()).to(dtype).float(), rtol=0,
+                               atol=0)
+    y2 = w4_linear(out, q2, s2, z2, 32, gated=gated, rstd_parts=parts, eps=eps)
+    want = w4_linear_ref(normed, q2, s2, z2, 32)
+    want = act_and_mul_ref(want, gated) if gated else want
+    assert y2.shape == want.shape and sqnr_db(want, y2) >= 30.0

@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from ._qmm import (
+    add_norm_outputs,
     add_norm_ref,
+    check_add_norm,
     check_rstd_parts,
     deferred_rstd_ref,
     dense_path,
@@ -108,7 +110,8 @@ if triton is not None:
                         stride_om, res_ptr, nw_ptr, res_out_ptr, part_ptr, n_parts, eps, norm_offset,
                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, PACKED_DOT: tl.constexpr,
-                        NORM: tl.constexpr, BLOCK_P: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                        NORM: tl.constexpr, BLOCK_P: tl.constexpr, P_CHUNKS: tl.constexpr,
+                        INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         # qweight read as int32 words: word t of a group's row holds bytes 4t..4t+3, i.e. the low nibbles of
         # elements 4t..4t+3 and the high nibbles of elements HALF+4t..HALF+4t+3 (byte b at bits 8b).
         GPS: tl.constexpr = GROUPS_PER_STEP
@@ -170,7 +173,8 @@ if triton is not None:
             w, s, z = w_next, s_next, z_next
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
         gemv_epilogue(out_ptr + m * stride_om, y, pid, rows, row_mask, N, K, b_ptr, res_ptr, res_out_ptr, nw_ptr,
-                      part_ptr, n_parts, eps, norm_offset, HAS_BIAS, GATED, BLOCK_N, NORM, BLOCK_P, INTERPRETED)
+                      part_ptr, n_parts, eps, norm_offset, HAS_BIAS, GATED, BLOCK_N, NORM, BLOCK_P, P_CHUNKS,
+                      INTERPRETED)
 
     def _dequant_asm(magic: str, suffix: str) -> tl.constexpr:
         """PTX for :func:`dequant_pairs` on four bytes: ``$4`` the bytes, ``$5, $6`` the zero points (plus the
@@ -438,13 +442,10 @@ def _w4_linear_add_norm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch
                            group_size: int, bias: torch.Tensor | None, residual: torch.Tensor,
                            norm_weight: torch.Tensor, offset: float, block_n: int, groups_per_step: int,
                            num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n = qweight.shape[0]
-    n_parts = triton.cdiv(n, block_n)
     if not use_triton(x):
         y = w4_linear_ref(x, qweight, scales, zeros, group_size, bias, out_dtype=torch.float32)
-        return add_norm_ref(y, residual, norm_weight, offset, n_parts)
-    out, residual_out = x.new_empty((1, n)), torch.empty_like(residual)
-    parts = torch.empty(n_parts, dtype=torch.float32, device=x.device)
+        return add_norm_ref(y, residual, norm_weight, offset, triton.cdiv(qweight.shape[0], block_n))
+    out, residual_out, parts = add_norm_outputs(x, residual, qweight.shape[0], block_n)
     _launch_gemv(x, qweight, scales, zeros, group_size, bias, "", block_n, groups_per_step, num_warps, num_stages,
                  out, ("out", residual, norm_weight, offset, residual_out, parts))
     return out, residual_out, parts
@@ -453,9 +454,7 @@ def _w4_linear_add_norm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch
 @_w4_linear_add_norm_op.register_fake
 def _(x, qweight, scales, zeros, group_size, bias, residual, norm_weight, offset, block_n, groups_per_step,
       num_warps, num_stages):
-    n = qweight.shape[0]
-    return (x.new_empty((1, n)), residual.new_empty(residual.shape),
-            x.new_empty((-(-n // block_n),), dtype=torch.float32))
+    return add_norm_outputs(x, residual, qweight.shape[0], block_n)
 
 
 @_w4_linear_op.register_fake
@@ -531,12 +530,7 @@ def w4_linear_add_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     """One token's ``y = w4_linear(x, ...)`` ending the decoder's residual add and starting its next RMSNorm, as
     :func:`~llmplug.ops.w8_linear.w8_linear_add_norm` (same arguments and results); on the GEMV only
     (:func:`uses_gemv`)."""
-    n, k = qweight.shape[0], 2 * qweight.shape[1]
-    if x.dim() != 2 or x.shape != (1, k):
-        raise ValueError(f"x must be (1, {k}) (one token), got {tuple(x.shape)}")
-    if residual.shape != (1, n) or residual.dtype != x.dtype or norm_weight.shape != (n,):
-        raise ValueError(f"residual must be (1, {n}) {x.dtype} and norm_weight ({n},), got {tuple(residual.shape)} "
-                         f"{residual.dtype} and {tuple(norm_weight.shape)}")
+    check_add_norm(x, residual, norm_weight, qweight.shape[0], 2 * qweight.shape[1])
     block_m, block_n, groups_per_step, num_warps, num_stages, _ = _default_config(x, qweight, scales, zeros,
                                                                                   group_size)
     if block_m != 1:

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from ._qmm import (
+    add_norm_outputs,
     add_norm_ref,
+    check_add_norm,
     check_rstd_parts,
     deferred_rstd_ref,
     dense_path,
@@ -51,15 +53,15 @@ WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 def w8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                  rstd: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference in fp32: ``x: (M, K)``, ``qweight: (N, K)``, ``scales: (N,)`` -> ``(M, N)`` in ``x.dtype``; the
-    product times ``rstd`` (before the bias) when given."""
+                  rstd: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reference in fp32: ``x: (M, K)``, ``qweight: (N, K)``, ``scales: (N,)`` -> ``(M, N)`` in ``x.dtype``
+    (``out_dtype``); the product times ``rstd`` (before the bias) when given."""
     y = (x.float() @ qweight.float().t()) * scales
     if rstd is not None:
         y = y * rstd
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
 
 
 if triton is not None:
@@ -68,7 +70,8 @@ if triton is not None:
     def _w8_gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_qn, stride_om,
                         res_ptr, nw_ptr, res_out_ptr, part_ptr, n_parts, eps, norm_offset,
                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        NORM: tl.constexpr, BLOCK_P: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                        NORM: tl.constexpr, BLOCK_P: tl.constexpr, P_CHUNKS: tl.constexpr,
+                        INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         wait_inputs(PDL)
         m = tl.program_id(0)  # tokens vary fastest, so programs sharing weight rows run together (L2 reuse)
         pid = tl.program_id(1)
@@ -85,7 +88,8 @@ if triton is not None:
             q_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
         gemv_epilogue(out_ptr + m * stride_om, y, pid, rows, row_mask, N, K, b_ptr, res_ptr, res_out_ptr, nw_ptr,
-                      part_ptr, n_parts, eps, norm_offset, HAS_BIAS, GATED, BLOCK_N, NORM, BLOCK_P, INTERPRETED)
+                      part_ptr, n_parts, eps, norm_offset, HAS_BIAS, GATED, BLOCK_N, NORM, BLOCK_P, P_CHUNKS,
+                      INTERPRETED)
 
     SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: flips each byte's sign bit, q -> q + 128
     BYTE_MAGIC = 0x47000000  # float32 bits of 2^15: a byte u placed at bits 8-15 reads 32768 + u
@@ -137,8 +141,8 @@ if triton is not None:
                               res_ptr, nw_ptr, res_out_ptr, part_ptr, n_parts, eps, norm_offset,
                               HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_W: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr, X64: tl.constexpr,
-                              NORM: tl.constexpr, BLOCK_P: tl.constexpr, INTERPRETED: tl.constexpr,
-                              PDL: tl.constexpr):
+                              NORM: tl.constexpr, BLOCK_P: tl.constexpr, P_CHUNKS: tl.constexpr,
+                              INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         # int8 weights read as int32 words (KW = K // 4; byte b of word t is element 4t + b). XOR-ing 0x80 into each
         # byte gives u = q + 128 in [0, 255]; byte_f32 turns each into offset + u with one instruction, and each
         # word's four products chain onto -(offset + 128) * (its four x summed): y = sum(q * x) * scale, about 4 SASS
@@ -175,7 +179,8 @@ if triton is not None:
             acc += tl.fma(byte_f32(u, magic, 3, ASM, PRECISE), x3, part)
         y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
         gemv_epilogue(out_ptr + m * stride_om, y, pid, rows, row_mask, N, 4 * KW, b_ptr, res_ptr, res_out_ptr, nw_ptr,
-                      part_ptr, n_parts, eps, norm_offset, HAS_BIAS, GATED, BLOCK_N, NORM, BLOCK_P, INTERPRETED)
+                      part_ptr, n_parts, eps, norm_offset, HAS_BIAS, GATED, BLOCK_N, NORM, BLOCK_P, P_CHUNKS,
+                      INTERPRETED)
 
     @triton.jit
     def _w8_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
@@ -321,22 +326,18 @@ def _w8_linear_add_norm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch
                            residual: torch.Tensor, norm_weight: torch.Tensor, offset: float, block_n: int,
                            block_k: int, num_warps: int,
                            num_stages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n_parts = triton.cdiv(qweight.shape[0], block_n)
     if not use_triton(x):
-        y = (x.float() @ qweight.float().t()) * scales
-        return add_norm_ref(y if bias is None else y + bias.float(), residual, norm_weight, offset, n_parts)
-    out, residual_out = x.new_empty((1, qweight.shape[0])), torch.empty_like(residual)
-    parts = torch.empty(n_parts, dtype=torch.float32, device=x.device)
-    norm = ("out", residual, norm_weight, offset, residual_out, parts)
-    _launch_gemv(x, qweight, scales, bias, "", block_n, block_k, num_warps, num_stages, out, norm)
+        y = w8_linear_ref(x, qweight, scales, bias, out_dtype=torch.float32)
+        return add_norm_ref(y, residual, norm_weight, offset, triton.cdiv(qweight.shape[0], block_n))
+    out, residual_out, parts = add_norm_outputs(x, residual, qweight.shape[0], block_n)
+    _launch_gemv(x, qweight, scales, bias, "", block_n, block_k, num_warps, num_stages, out,
+                 ("out", residual, norm_weight, offset, residual_out, parts))
     return out, residual_out, parts
 
 
 @_w8_linear_add_norm_op.register_fake
 def _(x, qweight, scales, bias, residual, norm_weight, offset, block_n, block_k, num_warps, num_stages):
-    n = qweight.shape[0]
-    return (x.new_empty((1, n)), residual.new_empty(residual.shape),
-            x.new_empty((-(-n // block_n),), dtype=torch.float32))
+    return add_norm_outputs(x, residual, qweight.shape[0], block_n)
 
 
 @llmplug_op("w8_dequantize")
@@ -421,11 +422,7 @@ def w8_linear_add_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         ``residual_out ** 2`` for the next GEMV's ``rstd_parts`` (:func:`w8_linear`), which finishes the norm.
     """
     n, k = qweight.shape
-    if x.dim() != 2 or x.shape != (1, k):
-        raise ValueError(f"x must be (1, {k}) (one token), got {tuple(x.shape)}")
-    if residual.shape != (1, n) or residual.dtype != x.dtype or norm_weight.shape != (n,):
-        raise ValueError(f"residual must be (1, {n}) {x.dtype} and norm_weight ({n},), got {tuple(residual.shape)} "
-                         f"{residual.dtype} and {tuple(norm_weight.shape)}")
+    check_add_norm(x, residual, norm_weight, n, k)
     _, block_n, block_k, num_warps, num_stages, _ = choose_config(1, n, k, fp8=qweight.dtype == torch.float8_e4m3fn)
     return call_op(_w8_linear_add_norm_op, x if x.stride(1) == 1 else x.contiguous(), qweight, scales, bias,
                    residual.contiguous(), norm_weight.contiguous(), float(offset), block_n, block_k, num_warps,

@@ -160,7 +160,8 @@ class FusedDecoder:
         (:meth:`QuantLinear.matmul_add_norm`), no norm kernel; with a plain weight where it pays
         (:func:`~llmplug.ops.gemv.norm_in_prologue`) the norm runs in the GEMV's prologue
         (:func:`~llmplug.ops.gemv.add_norm_gemv`). NOTE: H200, 2026-11-22, ``benchmarks/ab_replay.py norm_gemv``: see
-        BENCHMARKS.md."""
+        BENCHMARKS.md; the split norm, H100, 2026-11-22, 8B decode graph replay int8 3.331 -> 3.245 ms, int4 2.450 ->
+        2.352 (BENCHMARKS.md, "the RMSNorm split between the quantized GEMVs")."""
         eps, offset = _eps(norm), self.spec.norm_offset
         if (isinstance(producer, QuantLinear) and isinstance(linear, QuantLinear) and producer.norm_gemv(x)
                 and linear.norm_gemv(x)):

@@ -83,3 +83,28 @@ def test_w4_add_norm_then_rstd(dtype, gated):
     want = w4_linear_ref(normed, q2, s2, z2, 32)
     want = act_and_mul_ref(want, gated) if gated else want
     assert y2.shape == want.shape and sqnr_db(want, y2) >= 30.0
+
+
+def test_rstd_parts_read_in_chunks():
+    """More partial sums than the GEMV reads at once (a wide producer): every one counts."""
+    from llmplug.ops._qmm import NORM_PARTS_BLOCK, deferred_rstd_ref
+
+    q, s = quantize_int8(torch.randn(24, 64))
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    parts = torch.rand(NORM_PARTS_BLOCK + 300) * 0.1
+    parts[-1] = 50.0  # the last chunk's sums matter
+    y = w8_linear(x, q, s, rstd_parts=parts, eps=1e-5)
+    want = w8_linear_ref(x, q, s, rstd=deferred_rstd_ref(parts, 64, 1e-5))
+    assert sqnr_db(want, y) >= KERNEL_VS_REF_SQNR_DB
+
+
+def test_opcheck_add_norm_ops():
+    q, s = quantize_int8(torch.randn(16, 64))
+    x, residual, nw = torch.randn(1, 64), torch.randn(1, 16), torch.randn(16)
+    torch.library.opcheck(torch.ops.llmplug.w8_linear_add_norm, (x, q, s, None, residual, nw, 0.0, 4, 32, 4, 2))
+    parts = torch.rand(4)
+    torch.library.opcheck(torch.ops.llmplug.w8_linear, (x, q, s, None, "", 1, 4, 32, 4, 2, 1, parts, 1e-6))
+    q4, s4, z4 = quantize_int4(torch.randn(16, 64), 32)
+    torch.library.opcheck(torch.ops.llmplug.w4_linear_add_norm,
+                          (x, q4, s4, z4, 32, None, residual, nw, 1.0, 8, 1, 4, 1))
+    torch.library.opcheck(torch.ops.llmplug.w4_linear, (x, q4, s4, z4, 32, None, "", 1, 8, 1, 4, 1, 1, parts, 1e-6))

@@ -1,5 +1,5 @@
-"""Where a batch-1 decode step's time goes: graph replay alone vs the whole generate step, and a per-kernel
-breakdown of one eager decode step (torch.profiler).
+"""Where a batch-1 decode step's time goes: graph replay alone vs the whole generate step, and each kernel's share
+of the graph replay's critical path (torch.profiler).
 
     python benchmarks/profile_decode.py llama-8b [--batch 1] [--quantize int4]
 """
@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llmplug  # noqa: E402
 from llmplug.bench.shapes import build, weight_bytes  # noqa: E402
 from llmplug.bench.timing import replay_seconds  # noqa: E402
-from llmplug.engine.runner import decode_metadata  # noqa: E402
 
 
 @torch.inference_mode()
@@ -62,22 +61,46 @@ def main(name: str, batch: int = 1, quantize: str | None = None, profile_host: b
             model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
             torch.cuda.synchronize()
         pstats.Stats(host).sort_stats("cumulative").print_stats(30)
-    pos = torch.full((batch,), 200, device="cuda")
-    bt = buf["block_tables"][:batch]
-    _, meta = decode_metadata(pos, bt, runner.block_size)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        runner.forward(buf["input_ids"][:batch], pos, meta, None)
-        torch.cuda.synchronize()
-    per = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name[:70]][0] += 1
-            per[e.name[:70]][1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-    total = sum(v[1] for v in per.values())
-    print(f"eager step kernels: {sum(v[0] for v in per.values())} launches, {total / 1e3:.3f} ms of kernel time")
-    for k, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:24]:
-        print(f"  {us / 1e3:8.3f} ms {n:5d}x  {k}")
+    rows = graph_critical_path(graph, model.config.num_hidden_layers)
+    print(f"kernels on the graph's critical path ({sum(r[1] for r in rows):.0f} launches, "
+          f"{sum(r[2] for r in rows) / 1e3:.3f} ms a replay; name#i: the i-th of that kernel's calls in a layer)")
+    for label, n, us in rows[:24]:
+        print(f"  {us:8.1f} us {n:4d}x {us / n:7.2f} us/launch  {label}")
 
+
+def graph_critical_path(graph: torch.cuda.CUDAGraph, layers: int, replays: int = 20) -> list[tuple[str, int, float]]:
+    """Each kernel's share of one graph replay: ``(label, launches, us)`` a replay, largest first.
+
+    Under programmatic dependent launch a kernel starts before its predecessor ends, so its own duration counts time
+    spent waiting; instead each kernel is charged the time from the latest end of the kernels before it to its own
+    end (what the step would lose without it). Kernels called ``c * layers`` times a step (plus a remainder) are told
+    apart by call order within a layer: ``name#0..#c-1``, and ``name#tail`` for the calls after the last layer's.
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    per_step = len(kernels) // replays
+    names = [e.name[:60] for e in kernels[:per_step]]
+    calls = {n: names.count(n) for n in names}
+    seen: dict[str, int] = defaultdict(int)
+    labels = []
+    for n in names:
+        c = calls[n] // layers
+        i = seen[n]
+        seen[n] += 1
+        labels.append(n if c == 0 else f"{n}#{i % c}" if i < c * layers else f"{n}#tail")
+    cost: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for r in range(replays):
+        step = kernels[r * per_step:(r + 1) * per_step]
+        done = step[0].time_range.start
+        for label, e in zip(labels, step):
+            cost[label][0] += 1
+            cost[label][1] += e.time_range.end - done
+            done = max(done, e.time_range.end)
+    return sorted(((k, n // replays, us / replays) for k, (n, us) in cost.items()), key=lambda r: -r[2])
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

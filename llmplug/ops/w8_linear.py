@@ -243,8 +243,10 @@ def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, 
 
     NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
     bf16 in brackets; history in BENCHMARKS.md). One token, int8 word GEMV with one prmt a byte and the activations
-    read an int64 a word: 8 rows x 1024 bytes for qkv, 8 x 512 for gate_up (4x wider than deep), 4 x 1024 with 8
-    warps for o / down: 10.4 / 7.9 / 40.4 / 21.8, the best of 12 tiles each in PDL chains (scratch script; the
+    read an int64 a word: 8 rows x 1024 bytes for qkv, 8 x 512 for gate_up (4x wider than deep), 4 x 1024 for
+    o / down (8 warps then, 4 since the weight tiles load a step ahead: 8B int8 replay 3.186 -> 3.176 ms; an
+    in-graph sweep of 30 other tiles found none faster): 10.4 / 7.9 / 40.4 / 21.8, the best of 12 tiles each in
+    PDL chains (scratch script; the
     tiles before, 10.9 / 8.0 / 42.0 / 22.1; 8B int8 decode replay 3.397 -> 3.364 ms; shift-and-mask decoding and
     the activations spread through shared memory, earlier: 12.5 / 9.5 / 44.4 / 25.6; the loads, not the
     instructions, bound it); fp8 byte
@@ -259,7 +261,7 @@ def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, 
     if m == 1:
         if n >= 4 * k:
             return (1, 8, 512, 4, 3, 1)
-        return (1, 8, 1024, 4, 3, 1) if n > k else (1, 4, 1024, 8, 3, 1)
+        return (1, 8, 1024, 4, 3, 1) if n > k else (1, 4, 1024, 4, 3, 1)
     if m <= 16:
         return (16, 32, 256, 4, 4, 0)
     if m <= 64:

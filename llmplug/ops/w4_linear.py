@@ -328,11 +328,11 @@ def choose_config(m: int, n: int, k: int, group_size: int, packed: bool = True, 
     of 24 tiles (4 or 8 warps, 8-32 rows, 512-4,096 weights a row per step); the packed-dequant GEMM 10.7 / 9.5 /
     36.7 / 21.4 and 5.6 / 4.8 / 15.5 / 11.0. At two tokens (the GEMV reads the weights once a token) neither wins
     throughout: 8B 11.4 / 7.8 / 39.0 / 20.7 against the GEMM's 10.8 / 9.5 / 36.8 / 21.6, so the GEMV takes one token
-    only (a GEMV sharing each weight read among a few tokens would be the fix). Without packed bf16 math (fp16,
-    older GPUs), history in
-    BENCHMARKS.md: word GEMV 12.2 / 8.4 / 39.6 / 25.0, packed-dequant GEMM at 16 tokens (16, 64 | 32) 12.3 / 9.5 /
-    36.8 / 23.3 -- hence gate_up- and down-like shapes go there at one token too; 64 tokens (64, 64) 24.9 / 16.6 /
-    69.7 / 47.0; 256 tokens (128, 64) 53.8 / 40.8 / 204.2 / 124.6.
+    only (a GEMV sharing each weight read among a few tokens would be the fix). Timed in the 8B int4 decode replay,
+    none of 15 other GEMV tiles was faster. Without packed bf16 math (fp16, older GPUs), history in BENCHMARKS.md: word
+    GEMV 12.2 / 8.4 / 39.6 / 25.0, packed-dequant GEMM at 16 tokens (16, 64 | 32) 12.3 / 9.5 / 36.8 / 23.3 -- hence
+    gate_up- and down-like shapes go there at one token too; 64 tokens (64, 64) 24.9 / 16.6 / 69.7 / 47.0; 256
+    tokens (128, 64) 53.8 / 40.8 / 204.2 / 124.6.
     """
     if m == 1 and packed_gemv:  # rows a program, weights of a row a step
         if n >= 4 * k:  # gate/up

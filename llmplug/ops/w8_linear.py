@@ -149,9 +149,9 @@ if triton is not None:
         # instructions a weight byte against 7 with a shift and a mask a byte (sm_90 build; the GEMV stays bound by
         # loads in flight, see BENCHMARKS.md). Each step's weight tile is loaded a step ahead, the first one before
         # the programmatic-launch wait (no kernel writes weights), so it is in flight while the previous kernel ends
-        # (8B int8 decode replay 3.245 -> 3.188 ms). EVEN: N and KW divide by the tile (the x loads). GATED: see
-        # gemv_rows. X64: bf16 x read as one int64 a word (its four values), loaded by each thread in the layout its
-        # words need instead of once and spread through shared memory (barriers every step).
+        # (8B int8 decode replay 3.245 -> 3.188 ms). EVEN: KW divides by BLOCK_W (unmasked activation loads).
+        # GATED: see gemv_rows. X64: bf16 x read as one int64 a word (its four values), loaded by each thread in
+        # the layout its words need instead of once and spread through shared memory (barriers every step).
         m = tl.program_id(0)
         pid = tl.program_id(1)
         rows, row_mask = gemv_rows(pid, N, BLOCK_N, GATED)
@@ -243,15 +243,14 @@ def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, 
 
     NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
     bf16 in brackets; history in BENCHMARKS.md). One token, int8 word GEMV with one prmt a byte and the activations
-    read an int64 a word: 8 rows x 1024 bytes for qkv, 8 x 512 for gate_up (4x wider than deep), 4 x 1024 for
-    o / down (8 warps then, 4 since the weight tiles load a step ahead: 8B int8 replay 3.186 -> 3.176 ms; an
-    in-graph sweep of 30 other tiles found none faster): 10.4 / 7.9 / 40.4 / 21.8, the best of 12 tiles each in
-    PDL chains (scratch script; the
-    tiles before, 10.9 / 8.0 / 42.0 / 22.1; 8B int8 decode replay 3.397 -> 3.364 ms; shift-and-mask decoding and
-    the activations spread through shared memory, earlier: 12.5 / 9.5 / 44.4 / 25.6; the loads, not the
-    instructions, bound it); fp8 byte
-    GEMV, 8 x 512 wider than deep, else 4 x 1024: 11.4 / 9.8 / 42.8 / 27.8 [20.4 / 15.6 / 81.3 / 51.1] (with the
-    int8 tiles fp8 batch 1 measured 258.7 tok/s against 262.7 with these, in separate runs: kept). 4-16 tokens (16,
+    read an int64 a word: 8 rows x 1024 bytes for qkv, 8 x 512 for gate_up (4x wider than deep), 4 x 1024 for o /
+    down: 10.4 / 7.9 / 40.4 / 21.8 (o / down on 8 warps then), the best of 12 tiles each in PDL chains (scratch
+    script; the tiles before, 10.9 / 8.0 / 42.0 / 22.1; shift-and-mask decoding and the activations spread through
+    shared memory, earlier: 12.5 / 9.5 / 44.4 / 25.6; the loads, not the instructions, bound it). Since the weight
+    tiles load a step ahead, o / down run on 4 warps (8B int8 decode replay 3.186 -> 3.176 ms); timed in that
+    replay, none of 20 other tiles across the four projections was faster. fp8 byte GEMV, 8 x 512 wider than deep,
+    else 4 x 1024: 11.4 / 9.8 / 42.8 / 27.8 [20.4 / 15.6 / 81.3 / 51.1] (with the int8 tiles fp8 batch 1 measured
+    258.7 tok/s against 262.7 with these, in separate runs: kept). 4-16 tokens (16,
     32, 256, 4, 4, split-K by heuristic): 16.3 / 12.4 / 53.3 / 31.0. 64 tokens (64, 128, 128, 4, 3): about cuBLAS
     bf16 (23.1 / 18.0 / 82.3 / 46.4 [20.6 / 14.8 / 86.9 / 46.3]). From 256 tokens on, these GEMMs reach 240-500
     TFLOP/s against cuBLAS bf16's 550-800: prefill is slower than bf16.
@@ -286,7 +285,7 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, b
         block_w = min(block_k // 4, next_pow2(k // 4))
         maybe_wrap(_w8_gemv_words_kernel)[grid](
             x, words, scales, b, out, n, k // 4, x.stride(0), words.stride(0), out.stride(0), BYTE_MAGIC,
-            BLOCK_W=block_w, EVEN=n % block_n + k // 4 % block_w == 0, ASM=not INTERPRET, X64=reads_bf16_quads(x),
+            BLOCK_W=block_w, EVEN=k // 4 % block_w == 0, ASM=not INTERPRET, X64=reads_bf16_quads(x),
             **common)
     else:
         maybe_wrap(_w8_gemv_kernel)[grid](

@@ -107,8 +107,7 @@ class QuantLinear(nn.Module):
                         offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token: ``residual_out = x @ W^T + b + residual`` and the first half of the RMSNorm after it, as
         :func:`~llmplug.ops.w8_linear.w8_linear_add_norm` (int4: ``w4_linear_add_norm``): ``(out, residual_out,
-        parts)``; the next module's
-        ``matmul(out, rstd_parts=parts, eps=...)`` finishes the norm."""
+        parts)``; the next module's ``matmul(out, rstd_parts=parts, eps=...)`` finishes the norm."""
         if self.method == "int4":
             return w4_linear_add_norm(self._permuted(x), self.qweight, self.scales, self.zeros, self.group_size,
                                       self.bias, residual, norm_weight, offset)

@@ -35,6 +35,52 @@ def test_decode_attention_cuda(d, h, hkv, window, softcap, dtype):
     assert_close_matmul_like(out, ref64, same)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("d,h,hkv,window,softcap,rotary", [(128, 32, 8, -1, 0.0, 128), (64, 16, 16, 100, 0.0, 64),
+                                                            (256, 8, 4, 300, 50.0, 128), (80, 12, 4, -1, 0.0, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_decode_attention_cuda(d, h, hkv, window, softcap, rotary, dtype, kv_dtype):
+    """The fused decode step (RoPE, store, attention; the last split combining where counters are given) against
+    RoPE + store then attention, at real sizes: the output within the attention tolerance, the stored rows bit for bit
+    (unquantized: RoPE rounded as HF rounds)."""
+    from llmplug.ops.rope_decode_attention import rope_decode_attention, rope_decode_attention_ref
+    from tests.ops.test_kv_quant import bits, quantize_pages
+
+    b, p = 5, 16
+    lens = torch.tensor([1, 77, 1000, 513, 2049], dtype=torch.int32, device="cuda")
+    kc, vc, bt = _paged(b, 2049, hkv, d, p, dtype)
+    caches = [kc, vc]
+    if kv_dtype is not None:
+        (kq, ks), (vq, vs) = quantize_pages(kc, kv_dtype), quantize_pages(vc, kv_dtype)
+        caches = [kq, vq, ks, vs]
+    pos = (lens - 1).long()
+    slots = bt.gather(1, (pos // p)[:, None])[:, 0].long() * p + pos % p
+    qkv = torch.randn(b, (h + 2 * hkv) * d, dtype=dtype, device="cuda")
+    q, k, v = qkv[:, :h * d].view(b, h, d), qkv[:, h * d:(h + hkv) * d].view(b, hkv, d), qkv[:, (h + hkv) * d:].view(
+        b, hkv, d)
+    cos, sin = (torch.randn(b, rotary, dtype=dtype, device="cuda") for _ in range(2))
+    ref_caches = [c.clone() for c in caches]
+    scales = dict(k_scale=caches[2], v_scale=caches[3]) if kv_dtype is not None else {}
+    ref_scales = dict(k_scale=ref_caches[2], v_scale=ref_caches[3]) if kv_dtype is not None else {}
+    args = (bt, lens, d**-0.5, window, softcap)
+    counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda") if dtype != torch.float16 else None
+    out = rope_decode_attention(q, k, v, cos, sin, *caches[:2], slots, *args, **scales, split_counters=counters)
+    assert counters is None or not counters.any()
+    same = rope_decode_attention_ref(q, k, v, cos, sin, *ref_caches[:2], slots, *args, **ref_scales)
+    from llmplug.ops.decode_attention import decode_attention_ref as attend
+    from llmplug.ops.rope_store_kv import apply_rope_ref
+
+    q_rot = apply_rope_ref(q, k, cos, sin)[0]
+    pages64 = ref_caches[:2] if kv_dtype is not None else [c.double() for c in ref_caches[:2]]
+    ref64 = attend(q_rot.double(), *pages64, *args, **ref_scales)
+    assert_close_matmul_like(out, ref64, same)
+    for got, want in zip(caches, ref_caches, strict=True):
+        if kv_dtype is None:
+            assert torch.equal(got, want)
+        else:  # quantization: the kernel's division may differ from PyTorch's in the last place
+            assert (bits(got) == bits(want)).float().mean() > 0.999
+
+
 def test_rope_and_gated_act_round_as_hf_cuda():
     """Compiled kernels give HF's bf16 values bit for bit (no fused multiply-add across HF's rounding points)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

@@ -18,6 +18,9 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     return KV_CACHE_DTYPES.get(kv_cache_dtype, model_dtype)
 
 
+SPLIT_COUNTERS = 1024
+
+
 class PagedKVCache:
     """K and V pages for every layer, allocated once.
 
@@ -37,6 +40,10 @@ class PagedKVCache:
             scale_shape = (num_layers, num_blocks, num_kv_heads, block_size)
             self.k_scale = torch.empty(scale_shape, dtype=torch.float32, device=device)
             self.v_scale = torch.empty(scale_shape, dtype=torch.float32, device=device)
+        # the flash-decoding splits of a decode attention launch count their finishes here, one counter a sequence and
+        # kv head, left zeros (:func:`~llmplug.ops.rope_decode_attention.rope_decode_attention`); batches with more
+        # rows x kv heads than this do not split the context anyway
+        self.split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks)

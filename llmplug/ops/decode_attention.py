@@ -39,12 +39,13 @@ from ._triton import (
     next_pow2,
     pdl_options,
     round_rne,
+    rounded,
     tl,
     triton,
     use_triton,
     wait_inputs,
 )
-from .kv_quant import check_scales, is_quantized, read_pages_ref, tile_v_scales
+from .kv_quant import QMAX, check_scales, is_quantized, quantize_rows, read_pages_ref, tile_v_scales
 from .kv_store import check_caches
 
 LOG2E = 1.4426950408889634
@@ -134,45 +135,273 @@ if triton is not None:
         return tile_lo, tile_hi, per_split, used
 
     @triton.jit
+    def _visible_keys(seq_len, window, NEW_TOKEN: tl.constexpr):
+        """``(n_keys, key_window)``: the keys the tile loop reads from the pages. Without ``NEW_TOKEN`` all of
+        ``seq_len``; with it the newest key is folded in from registers (:func:`_fold_new_key`), so the loop reads the
+        ``seq_len - 1`` older ones, of which the window keeps ``window - 1``."""
+        if NEW_TOKEN:
+            return tl.maximum(seq_len - 1, 0), window - 1
+        return seq_len, window
+
+    @triton.jit
+    def _mul_rn(a, b, INTERPRETED: tl.constexpr):
+        """fp32 ``a * b`` (one shape) rounded on its own: no later add may contract it into a fused multiply-add, as
+        HF rounds the products of its RoPE before their sum."""
+        if INTERPRETED:
+            return a * b
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+    @triton.jit
+    def _rope_rows(x, other, cos, sin, rot, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+        """HF ``rotate_half`` RoPE on fp32 rows ``x: (rows, BLOCK_D)``; ``other`` holds each column's partner (``+-
+        R/2``), ``cos, sin: (BLOCK_D,)`` the token's row (``sin`` negated on the first half), ``rot: (BLOCK_D,)`` the
+        rotated columns (the first ``R``; the others pass through). Rounded to ``DTYPE`` where HF rounds: each
+        product, then the sum."""
+        cos = tl.broadcast_to(cos[None, :], x.shape)
+        sin = tl.broadcast_to(sin[None, :], x.shape)
+        turned = rounded(_mul_rn(x, cos, INTERPRETED), DTYPE, INTERPRETED) + rounded(
+            _mul_rn(other, sin, INTERPRETED), DTYPE, INTERPRETED)
+        return rounded(tl.where(rot[None, :], turned, x), DTYPE, INTERPRETED)
+
+    @triton.jit
+    def _load_tile(t, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base, vs_base, stride_cb, stride_cp,
+                   stride_sb, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
+        """Tile ``t``'s visible keys: ``(mask (BLOCK_N,), k, v (BLOCK_N, BLOCK_D) as stored, k / v scales
+        (BLOCK_N,))``; nothing is read when ``t >= t_end``. The scales are zeros for an unquantized cache."""
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        pos = t * BLOCK_N + offs_n
+        n_mask = (pos < n_keys) & (pos >= win_start) & (pos < t_end * BLOCK_N)  # t < t_end
+        # Block ids of the tile's tokens (masked: entries past the sequence are never read).
+        blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        in_page = (pos % PAGE).to(tl.int64)
+        if BLOCK_D == HEAD_DIM:
+            kv_mask = n_mask[:, None]
+        else:
+            kv_mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+        rows = blk * stride_cb + in_page * stride_cp  # K and V caches share one layout
+        k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:
+            s_rows = blk * stride_sb + in_page
+            k_sc = tl.load(ks_base + s_rows, mask=n_mask, other=0.0)
+            v_sc = tl.load(vs_base + s_rows, mask=n_mask, other=0.0)
+        else:
+            k_sc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            v_sc = k_sc
+        return n_mask, k, v, k_sc, v_sc
+
+    @triton.jit
+    def _attend_tile(q, n_mask, k, v, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, DTYPE: tl.constexpr,
+                     SOFTCAP: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
+        """One online-softmax step over a tile from :func:`_load_tile`: ``q @ k^T`` in fp32, base-2 softmax, ``p @ v``
+        with ``p`` in the matmul dtype (``q.dtype``). Returns ``(m_i, l_i, acc)``; a tile without a visible key
+        changes nothing."""
+        if INTERPRETED:
+            k = k.to(tl.float32)
+        else:
+            k = k.to(q.dtype)  # a no-op unless the cache is quantized
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N) fp32
+        if QUANT:
+            qk = qk * k_sc[None, :]
+        if SOFTCAP:
+            s = _tanh(qk * score_scale) * cap_scale
+        else:
+            s = qk * score_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing visible yet: p and alpha come out 0
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANT:
+            v_ratio, v_max = tile_v_scales(v_sc)
+            p = p * v_ratio[None, :]
+        # Like flash attention: P in the input dtype for the PV matmul.
+        if INTERPRETED:
+            p = round_rne(p, DTYPE)
+            v = v.to(tl.float32)
+        else:
+            p = p.to(q.dtype)
+            v = v.to(q.dtype)
+        pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+        if QUANT:
+            pv = pv * v_max
+        return m_new, l_i, acc * alpha[:, None] + pv
+
+    @triton.jit
+    def _fold_new_key(q, k_new, v_new, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, DTYPE: tl.constexpr,
+                      SOFTCAP: tl.constexpr, QUANT: tl.constexpr, INTERPRETED: tl.constexpr):
+        """:func:`_attend_tile` for one more key held in registers: ``k_new, v_new (1, BLOCK_D)`` fp32 as stored
+        (storage-grid values with scalar-like ``(1,)`` scales ``k_sc, v_sc`` when ``QUANT``)."""
+        qk = tl.sum(q.to(tl.float32) * k_new, 1)
+        if QUANT:
+            qk = qk * k_sc
+        if SOFTCAP:
+            s = _tanh(qk * score_scale) * cap_scale
+        else:
+            s = qk * score_scale
+        m_new = tl.maximum(m_i, s)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + p
+        if INTERPRETED:
+            p = round_rne(p, DTYPE)
+        else:
+            p = p.to(q.dtype).to(tl.float32)
+        pv = p[:, None] * v_new
+        if QUANT:
+            pv = pv * v_sc
+        return m_new, l_i, acc * alpha[:, None] + pv
+
+    @triton.jit
+    def _store_new_key(k, k_other, v, cos, sin, rot, slot, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kvh, HKV, page,
+                       DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QMAX_: tl.constexpr,
+                       IS_INT: tl.constexpr, INTERPRETED: tl.constexpr):
+        """A sequence's new key and value ``k, v: (1, BLOCK_D)`` fp32 as projected (``k_other``: ``k`` at the RoPE
+        partner columns) of kv head ``kvh``: rotate ``k`` (:func:`_rope_rows`), round both to the model dtype, quantize
+        them for an fp8/int8 cache and store them at flat slot ``slot`` (skipped when negative), as
+        :func:`~llmplug.ops.rope_store_kv.rope_store_kv` does. Returns ``(k, v, k_scale, v_scale)``: the rows as stored
+        (fp32) and ``(1,)`` scales (ones for an unquantized cache)."""
+        cols = tl.arange(0, BLOCK_D)
+        d_mask = (cols < HEAD_DIM)[None, :]
+        k = _rope_rows(k, k_other, cos, sin, rot, DTYPE, INTERPRETED)
+        v = rounded(v, DTYPE, INTERPRETED)
+        dst = (slot * HKV + kvh) * HEAD_DIM + cols[None, :]
+        cache_dt = kc_ptr.dtype.element_ty
+        if QMAX_ > 0:
+            k, k_sc = quantize_rows(k, QMAX_, IS_INT, INTERPRETED)
+            v, v_sc = quantize_rows(v, QMAX_, IS_INT, INTERPRETED)
+            k = k.to(cache_dt)
+            v = v.to(cache_dt)
+            if slot >= 0:
+                s_dst = (slot // page * HKV + kvh) * page + slot % page + tl.zeros([1], dtype=tl.int64)
+                tl.store(ks_ptr + s_dst, k_sc)
+                tl.store(vs_ptr + s_dst, v_sc)
+        else:
+            k = k.to(cache_dt)
+            v = v.to(cache_dt)
+            k_sc = tl.full([1], 1.0, dtype=tl.float32)
+            v_sc = k_sc
+        if slot >= 0:
+            tl.store(kc_ptr + dst, k, mask=d_mask)
+            tl.store(vc_ptr + dst, v, mask=d_mask)
+        return k.to(tl.float32), v.to(tl.float32), k_sc, v_sc
+
+    @triton.jit
+    def _combine_splits(part_ptr, lse_ptr, out_ptr, b, heads, h_mask, n_used, num_heads, stride_ob, stride_oh,
+                        NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, INTERPRETED: tl.constexpr):
+        """The combine of :func:`_decode_attn_combine_kernel` for the query ``heads (BLOCK_H,)`` of one kv head, by
+        the split that finished last: partial outputs weighted by ``exp2(lse - max)``, ``CHUNK`` splits a step. The
+        other splits' writes are read past L1 (``.cg``)."""
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_s = tl.arange(0, BLOCK_S)
+        rows = (b * num_heads + heads).to(tl.int64) * NUM_SPLITS  # (BLOCK_H,) each head's split 0
+        lse = tl.load(lse_ptr + rows[:, None] + offs_s[None, :], mask=h_mask[:, None] & (offs_s < n_used)[None, :],
+                      other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse, 1)
+        m = tl.where(m > float("-inf"), m, 0.0)
+        total = tl.sum(tl.where(lse > float("-inf"), tl.exp2(lse - m[:, None]), 0.0), 1)
+        acc = tl.zeros([heads.shape[0], BLOCK_D], dtype=tl.float32)
+        offs_c = tl.arange(0, CHUNK)
+        for c in range(0, n_used, CHUNK):
+            s_mask = h_mask[:, None] & ((c + offs_c) < n_used)[None, :]  # (BLOCK_H, CHUNK)
+            lse_c = tl.load(lse_ptr + rows[:, None] + c + offs_c[None, :], mask=s_mask, other=float("-inf"),
+                            cache_modifier=".cg")
+            w = tl.where(lse_c > float("-inf"), tl.exp2(lse_c - m[:, None]), 0.0)
+            used_c = s_mask & (lse_c > float("-inf"))
+            part = tl.load(part_ptr + (rows[:, None] + c + offs_c[None, :])[:, :, None] * HEAD_DIM
+                           + offs_d[None, None, :], mask=used_c[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
+                           other=0.0, cache_modifier=".cg")
+            acc += tl.sum(part * w[:, :, None], 1)
+        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+        if INTERPRETED:
+            out = round_rne(out, out_ptr.dtype.element_ty)
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+    @triton.jit
     def _decode_attn_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_ptr,
         lse_ptr, score_scale, cap_scale, window, num_heads, stride_qb, stride_qh, stride_cb, stride_cp, stride_ch,
-        stride_sb, stride_sh, stride_bt, stride_ob, stride_oh, GROUP: tl.constexpr, PAGE: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr,
+        stride_sb, stride_sh, stride_bt, stride_ob, stride_oh,
+        kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, stride_knb, stride_vnb, stride_cos, rope_half, counters_ptr,
+        GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
+        QUANT: tl.constexpr, QMAX_: tl.constexpr, IS_INT: tl.constexpr, NEW_TOKEN: tl.constexpr,
+        LAST_COMBINES: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        wait_inputs(PDL)
-        # QUANT: fp8/int8 pages with per-token scales.
+        # QUANT: fp8/int8 pages with per-token scales. NEW_TOKEN: q and each sequence's newest k arrive unrotated
+        # (kn_ptr, vn_ptr: (B, Hkv * D) rows); the program of the split holding the last tile rotates and stores them
+        # (:func:`_store_new_key`) and folds that key in from registers. The pages it reads then hold only keys of
+        # earlier steps, so its first tile is loaded before the PDL wait (the kernels two or more launches back have
+        # finished when this one starts: each releases its successor only after its own wait).
         # Inductor passes Python floats as fp64 (eager Triton as fp32): pin them, or the scores turn fp64.
         score_scale = tl.cast(score_scale, tl.float32)
         cap_scale = tl.cast(cap_scale, tl.float32)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        dt = q_ptr.dtype.element_ty
+        if not NEW_TOKEN:
+            wait_inputs(PDL)
         # This split's tiles (split 0 runs even without any, so the combine finds lse = -inf there).
         seq_len = tl.load(seq_lens_ptr + b)
-        win_start = tl.maximum(seq_len - window, 0)
-        tile_lo, tile_hi, per_split, used = _tile_split(seq_len, window, BLOCK_N, NUM_SPLITS)
+        n_keys, key_window = _visible_keys(seq_len, window, NEW_TOKEN)
+        win_start = tl.maximum(n_keys - key_window, 0)
+        tile_lo, tile_hi, per_split, used = _tile_split(n_keys, key_window, BLOCK_N, NUM_SPLITS)
         if NUM_SPLITS > 1:
             if split >= used:
                 return
         t_start = tile_lo + split * per_split
         t_end = tl.minimum(t_start + per_split, tile_hi)
-        dt = q_ptr.dtype.element_ty
 
+        bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+        k_base = k_cache_ptr + kvh.to(tl.int64) * stride_ch
+        v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
+        ks_base = k_scale_ptr + kvh.to(tl.int64) * stride_sh
+        vs_base = v_scale_ptr + kvh.to(tl.int64) * stride_sh
+        n_mask, k, v, k_sc, v_sc = _load_tile(t_start, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
+                                              vs_base, stride_cb, stride_cp, stride_sb, PAGE, HEAD_DIM, BLOCK_D,
+                                              BLOCK_N, QUANT)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_N)
+        if NEW_TOKEN:  # the token's RoPE row and slot: written before the previous kernel started
+            rot = offs_d < 2 * rope_half
+            partner = tl.where(offs_d < rope_half, offs_d + rope_half, offs_d - rope_half)
+            cos = tl.load(cos_ptr + b * stride_cos + offs_d, mask=rot, other=1.0).to(tl.float32)
+            sin = tl.load(sin_ptr + b * stride_cos + offs_d, mask=rot, other=0.0).to(tl.float32)
+            sin = tl.where(offs_d < rope_half, -sin, sin)
+            slot = tl.load(slot_ptr + b)
+            wait_inputs(PDL)
+            # Every input that the q/k/v projection wrote, in one round trip: this program's queries and, in the
+            # split that folds it in, the new key and value.
+            new_cols = tl.where((split == used - 1) & (seq_len > 0), HEAD_DIM, 0)
+            new_mask = (offs_d < new_cols)[None, :]
+            k_row = kn_ptr + b * stride_knb + kvh * HEAD_DIM
+            k_new = tl.load(k_row + offs_d[None, :], mask=new_mask, other=0.0).to(tl.float32)
+            k_new_other = tl.load(k_row + partner[None, :], mask=new_mask & rot[None, :], other=0.0).to(tl.float32)
+            v_new = tl.load(vn_ptr + b * stride_vnb + kvh * HEAD_DIM + offs_d[None, :], mask=new_mask,
+                            other=0.0).to(tl.float32)
+
         heads = kvh * GROUP + offs_h
         h_mask = offs_h < GROUP
         if BLOCK_D == HEAD_DIM:
             hd_mask = h_mask[:, None]
         else:
             hd_mask = h_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
+        q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+        q = tl.load(q_rows + offs_d[None, :], mask=hd_mask, other=0.0)
+        if NEW_TOKEN:
+            q_other = tl.load(q_rows + partner[None, :], mask=hd_mask & rot[None, :], other=0.0).to(tl.float32)
+            q = _rope_rows(q.to(tl.float32), q_other, cos, sin, rot, dt, INTERPRETED)
+            if not INTERPRETED:
+                q = q.to(dt)
         if INTERPRETED:
             q = q.to(tl.float32)
         elif QUANT and dt != tl.float32:
@@ -180,64 +409,25 @@ if triton is not None:
             # has no direct conversion from either); q and p (in [0, 1]) keep as many or more mantissa bits. Limit:
             # a bf16 query element beyond fp16's range (|q| > 65504) would overflow; queries are far smaller.
             q = q.to(tl.float16)
-        mm_dt = q.dtype
-
-        bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-        k_base = k_cache_ptr + kvh.to(tl.int64) * stride_ch
-        v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
-        ks_base = k_scale_ptr + kvh.to(tl.int64) * stride_sh
-        vs_base = v_scale_ptr + kvh.to(tl.int64) * stride_sh
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for t in range(t_start, t_end):
-            pos = t * BLOCK_N + offs_n
-            n_mask = (pos < seq_len) & (pos >= win_start)
-            # Block ids of the tile's tokens (masked: entries past the sequence are never read).
-            blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-            in_page = (pos % PAGE).to(tl.int64)
-            if BLOCK_D == HEAD_DIM:
-                kv_mask = n_mask[:, None]
-            else:
-                kv_mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-            rows = blk * stride_cb + in_page * stride_cp  # K and V caches share one layout
-            k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if INTERPRETED:
-                k = k.to(tl.float32)
-            else:
-                k = k.to(mm_dt)  # a no-op unless the cache is quantized
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N) fp32
-            if QUANT:
-                s_rows = blk * stride_sb + in_page
-                qk = qk * tl.load(ks_base + s_rows, mask=n_mask, other=0.0)[None, :]
-            if SOFTCAP:
-                s = _tanh(qk * score_scale) * cap_scale
-            else:
-                s = qk * score_scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-
-            v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if QUANT:
-                v_ratio, v_max = tile_v_scales(tl.load(vs_base + s_rows, mask=n_mask, other=0.0))
-                p = p * v_ratio[None, :]
-            # Like flash attention: P in the input dtype for the PV matmul.
-            if INTERPRETED:
-                p = round_rne(p, dt)
-                v = v.to(tl.float32)
-            else:
-                p = p.to(mm_dt)
-                v = v.to(mm_dt)
-            pv = tl.dot(p, v, input_precision=DOT_PRECISION)
-            if QUANT:
-                pv = pv * v_max
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, n_mask, k, v, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, dt, SOFTCAP,
+                                     QUANT, DOT_PRECISION, INTERPRETED)
+        for t in range(t_start + 1, t_end):
+            n_mask, k, v, k_sc, v_sc = _load_tile(t, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
+                                                  vs_base, stride_cb, stride_cp, stride_sb, PAGE, HEAD_DIM, BLOCK_D,
+                                                  BLOCK_N, QUANT)
+            m_i, l_i, acc = _attend_tile(q, n_mask, k, v, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, dt,
+                                         SOFTCAP, QUANT, DOT_PRECISION, INTERPRETED)
+        if NEW_TOKEN:
+            if (split == used - 1) & (seq_len > 0):
+                k_new, v_new, k_new_sc, v_new_sc = _store_new_key(
+                    k_new, k_new_other, v_new, cos, sin, rot, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                    v_scale_ptr, kvh, num_heads // GROUP, PAGE, dt, HEAD_DIM, BLOCK_D, QMAX_, IS_INT, INTERPRETED)
+                m_i, l_i, acc = _fold_new_key(q, k_new, v_new, k_new_sc, v_new_sc, m_i, l_i, acc, score_scale,
+                                              cap_scale, dt, SOFTCAP, QUANT, INTERPRETED)
 
         has_keys = l_i > 0.0
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # no keys (padding row / empty split): zeros
@@ -251,6 +441,13 @@ if triton is not None:
             tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hd_mask)
             lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + row, lse, mask=h_mask)
+            if LAST_COMBINES:  # the split that finishes last for this kv head combines them all, no second kernel
+                tl.debug_barrier()  # every thread's partial is written before the release below
+                counter = counters_ptr + b * (num_heads // GROUP) + kvh
+                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
+                    tl.store(counter, 0)  # zeros again for the next launch
+                    _combine_splits(part_ptr, lse_ptr, out_ptr, b, heads, h_mask, used, num_heads, stride_ob,
+                                    stride_oh, NUM_SPLITS, HEAD_DIM, BLOCK_D, BLOCK_S, 4, INTERPRETED)
 
     @triton.jit
     def _decode_attn_combine_kernel(
@@ -267,6 +464,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        NEW_TOKEN: tl.constexpr,
         INTERPRETED: tl.constexpr,
         PDL: tl.constexpr,
     ):
@@ -276,7 +474,8 @@ if triton is not None:
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         row0 = (b * num_heads + h).to(tl.int64) * NUM_SPLITS
-        n_used = _tile_split(tl.load(seq_lens_ptr + b), window, BLOCK_N, NUM_SPLITS)[3]  # the others wrote nothing
+        n_keys, key_window = _visible_keys(tl.load(seq_lens_ptr + b), window, NEW_TOKEN)
+        n_used = _tile_split(n_keys, key_window, BLOCK_N, NUM_SPLITS)[3]  # the others wrote nothing
         lse = tl.load(lse_ptr + row0 + offs_s, mask=offs_s < n_used, other=float("-inf"))
         used = lse > float("-inf")  # -inf: no keys in the sequence
         m = tl.max(lse, 0)
@@ -334,23 +533,20 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     return 1 << (splits.bit_length() - 1)  # a power of two: the split count is a kernel constant, so few compiles
 
 
-@llmplug_op("decode_attention")
-def _decode_attention_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int,
-    softcap: float,
-    num_splits: int,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    if not use_triton(q):
-        return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                                    k_scale, v_scale)
+def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, sliding_window: int, softcap: float, num_splits: int,
+                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                            new_token: tuple | None = None,
+                            split_counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode attention kernels on validated inputs (see :func:`decode_attention`) -> ``(B, H, D)``.
+
+    ``new_token = (k, v, cos, sin, slot_mapping)``: ``q`` and each sequence's newest key ``k, v: (B, Hkv, D)`` come
+    unrotated; the kernel rotates them (RoPE, ``cos, sin: (B, R)``), stores ``k, v`` at ``slot_mapping (B,)`` and
+    attends over the ``seq_lens - 1`` keys already in the pages plus that one
+    (:func:`llmplug.ops.rope_decode_attention.rope_decode_attention`). ``split_counters``: ``(>= B * Hkv,)`` int32
+    zeros (left zeros) through which the last split of each kv head to finish finds out and combines the splits
+    itself, instead of a second kernel.
+    """
     assert q.stride(-1) == 1, "q needs unit stride on the last dim"
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
     assert k_cache.shape == v_cache.shape, "k_cache and v_cache must have one shape (the kernel shares their strides)"
@@ -382,26 +578,58 @@ def _decode_attention_op(
     quant = k_scale is not None
     window = sliding_window if sliding_window > 0 else _NO_WINDOW
     scale_strides = (k_scale.stride(0), k_scale.stride(1)) if quant else (0, 0)
+    last_combines = splits > 1 and split_counters is not None
+    assert not last_combines or split_counters.numel() >= bsz * num_kv_heads, "split_counters too short"
+    if new_token is not None:
+        k, v, cos, sin, slots = new_token
+        assert k.stride(1) == v.stride(1) == head_dim and cos.stride() == sin.stride(), "rope_decode_attention layout"
+        new_args = (k, v, cos, sin, slots, k.stride(0), v.stride(0), cos.stride(0), cos.shape[-1] // 2)
+    else:  # placeholders, never touched
+        new_args = (q, q, q, q, seq_lens, 0, 0, 0, 0)
     maybe_wrap(_decode_attn_kernel)[(bsz, num_kv_heads, splits)](
         q, k_cache, v_cache,
         k_scale if quant else k_cache, v_scale if quant else v_cache,  # placeholders, never touched
         block_tables, seq_lens, out, part, lse, score_scale, cap_scale,
         window, num_heads, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides, block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *new_args, split_counters if split_counters is not None else seq_lens,
         GROUP=group, PAGE=page, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, next_pow2(group)),
         BLOCK_N=block_n, NUM_SPLITS=splits, SOFTCAP=softcap > 0, QUANT=quant,
+        QMAX_=QMAX[k_cache.dtype] if quant else 0.0, IS_INT=k_cache.dtype == torch.int8,
+        NEW_TOKEN=new_token is not None, LAST_COMBINES=last_combines, BLOCK_S=next_pow2(splits),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Interpreter workarounds: its tl.dot mishandles bf16 and it truncates fp32 -> bf16 casts (see ``round_rne``).
         INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
-    if splits > 1:
+    if splits > 1 and not last_combines:
         maybe_wrap(_decode_attn_combine_kernel)[(bsz, num_heads)](
             part, lse, seq_lens, out, window, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
-            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=next_pow2(splits), BLOCK_D=block_d, INTERPRETED=INTERPRET,
-            num_warps=1 if block_d <= 64 else 2, **pdl_options(q),
+            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=next_pow2(splits), BLOCK_D=block_d,
+            NEW_TOKEN=new_token is not None, INTERPRETED=INTERPRET, num_warps=1 if block_d <= 64 else 2,
+            **pdl_options(q),
         )
     return out
+
+
+@llmplug_op("decode_attention")
+def _decode_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    num_splits: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if not use_triton(q):
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
+                                    k_scale, v_scale)
+    return launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
+                                   num_splits, k_scale, v_scale)
 
 
 @_decode_attention_op.register_fake
@@ -411,6 +639,41 @@ def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softca
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, sliding_window: int | None, softcap: float | None,
+                        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                        _num_splits: int) -> tuple[int, float]:
+    """Raise ``ValueError`` naming the bad value unless :func:`decode_attention` can take these inputs; returns the
+    window and softcap normalised (``-1`` / ``0.0`` for none)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be (B, H, D), got shape {tuple(q.shape)}")
+    check_caches(k_cache, v_cache)
+    bsz, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head dim mismatch: q has D={head_dim}, k_cache has D={k_cache.shape[3]}")
+    if head_dim > 256:
+        raise ValueError(f"head dim D={head_dim} > 256 is not supported")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"H={num_heads} query heads is not a multiple of Hkv={num_kv_heads} kv heads")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q dtype {q.dtype} is not supported; use one of {_DTYPES}")
+    if k_cache.dtype != v_cache.dtype or not (q.dtype == k_cache.dtype or is_quantized(k_cache.dtype)):
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    check_scales(k_cache, v_cache, k_scale, v_scale)
+    if block_tables.dim() != 2 or block_tables.shape[0] != bsz:
+        raise ValueError(f"block_tables must be ({bsz}, M), got shape {tuple(block_tables.shape)}")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != bsz:
+        raise ValueError(f"seq_lens must be ({bsz},), got shape {tuple(seq_lens.shape)}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if _num_splits < 0 or _num_splits > _MAX_SPLITS:
+        raise ValueError(f"_num_splits={_num_splits} must be in [0, {_MAX_SPLITS}]")
+    return (-1 if sliding_window is None or sliding_window <= 0 else int(sliding_window),
+            0.0 if softcap is None or softcap <= 0 else float(softcap))
 
 
 def decode_attention(
@@ -450,33 +713,8 @@ def decode_attention(
     Returns:
         ``(B, H, D)`` contiguous in ``q.dtype``.
     """
-    if q.dim() != 3:
-        raise ValueError(f"q must be (B, H, D), got shape {tuple(q.shape)}")
-    check_caches(k_cache, v_cache)
-    bsz, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"head dim mismatch: q has D={head_dim}, k_cache has D={k_cache.shape[3]}")
-    if head_dim > 256:
-        raise ValueError(f"head dim D={head_dim} > 256 is not supported")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"H={num_heads} query heads is not a multiple of Hkv={num_kv_heads} kv heads")
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"q dtype {q.dtype} is not supported; use one of {_DTYPES}")
-    if k_cache.dtype != v_cache.dtype or not (q.dtype == k_cache.dtype or is_quantized(k_cache.dtype)):
-        raise ValueError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
-    check_scales(k_cache, v_cache, k_scale, v_scale)
-    if block_tables.dim() != 2 or block_tables.shape[0] != bsz:
-        raise ValueError(f"block_tables must be ({bsz}, M), got shape {tuple(block_tables.shape)}")
-    if seq_lens.dim() != 1 or seq_lens.shape[0] != bsz:
-        raise ValueError(f"seq_lens must be ({bsz},), got shape {tuple(seq_lens.shape)}")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {t.dtype}")
-    if _num_splits < 0 or _num_splits > _MAX_SPLITS:
-        raise ValueError(f"_num_splits={_num_splits} must be in [0, {_MAX_SPLITS}]")
-    sliding_window = -1 if sliding_window is None or sliding_window <= 0 else int(sliding_window)
-    softcap = 0.0 if softcap is None or softcap <= 0 else float(softcap)
+    sliding_window, softcap = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, softcap,
+                                                  k_scale, v_scale, _num_splits)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if block_tables.stride(-1) != 1:

@@ -135,6 +135,20 @@ def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=N
     return None
 
 
+def check_rope_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the bad value unless ``q: (T, H, D)`` goes with ``k: (T, Hkv, D)`` and ``cos, sin:
+    (T, R)`` hold an even ``R <= D``."""
+    if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q must be (T={k.shape[0]}, H, D={k.shape[2]}), got {tuple(q.shape)}")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q.dtype={q.dtype} differs from k.dtype={k.dtype}")
+    r = cos.shape[-1]
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != q.shape[0]:
+        raise ValueError(f"cos and sin must both be (T={q.shape[0]}, R); got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if r % 2 or not 0 < r <= q.shape[-1]:
+        raise ValueError(f"rotary dim R={r} must be even and in (0, head_dim={q.shape[-1]}]")
+
+
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
@@ -150,15 +164,7 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
             :func:`llmplug.ops.kv_store.store_kv`.
     """
     check_store_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"q must be (T={k.shape[0]}, H, D={k.shape[2]}), got {tuple(q.shape)}")
-    if q.dtype != k.dtype:
-        raise ValueError(f"q.dtype={q.dtype} differs from k.dtype={k.dtype}")
-    r = cos.shape[-1]
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != q.shape[0]:
-        raise ValueError(f"cos and sin must both be (T={q.shape[0]}, R); got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    if r % 2 or not 0 < r <= q.shape[-1]:
-        raise ValueError(f"rotary dim R={r} must be even and in (0, head_dim={q.shape[-1]}]")
+    check_rope_inputs(q, k, cos, sin)
     if any(x.stride(-1) != 1 for x in (q, k, v, cos, sin)):
         raise ValueError("q, k, v, cos and sin need a unit stride on their last dim")
     call_op(_rope_store_kv_op, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -17,6 +17,7 @@ from ..engine.attention import paged_attention
 from ..ops.act_mul import act_and_mul
 from ..ops.gemv import add_norm_gemv, gemv, norm_in_prologue
 from ..ops.rms_norm import add_rms_norm, rms_norm
+from ..ops.rope_decode_attention import rope_decode_attention
 from ..ops.rope_store_kv import rope_store_kv
 from ..quant.linear import QuantLinear, fuse_quant_linears
 from .undo import UndoLog
@@ -225,9 +226,15 @@ class FusedDecoder:
                 q, k = self._norm(q, attn.q_norm), self._norm(k, attn.k_norm)
             cos, sin = rope[lay.rope_key]
             k_cache, v_cache, k_scale, v_scale = cache.layer(i)
-            rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, lay.scale, lay.window, lay.softcap, stored=True,
-                                k_scale=k_scale, v_scale=v_scale)
+            if meta.is_decode:  # RoPE, the store, attention and its split combine in one kernel
+                counters = cache.split_counters if t * k.shape[1] <= cache.split_counters.numel() else None
+                o = rope_decode_attention(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                                          meta.seq_lens, lay.scale, lay.window, lay.softcap, k_scale=k_scale,
+                                          v_scale=v_scale, split_counters=counters)
+            else:
+                rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+                o = paged_attention(q, k, v, k_cache, v_cache, meta, lay.scale, lay.window, lay.softcap, stored=True,
+                                    k_scale=k_scale, v_scale=v_scale)
             if spec.sandwich_norms:  # the norm after each sublayer comes before the residual add
                 hidden = self._norm(lay.o.matmul(o.view(t, -1)), layer.post_attention_layernorm)
                 gated, residual = self._add_norm_matmul(lay.gate_up, None, hidden, residual,

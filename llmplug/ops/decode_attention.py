@@ -258,6 +258,19 @@ if triton is not None:
         return m_new, l_i, acc * alpha[:, None] + pv
 
     @triton.jit
+    def _load_new_key(kn_ptr, vn_ptr, b, kvh, stride_knb, stride_vnb, partner, rot, wanted, HEAD_DIM: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+        """Sequence ``b``'s new key and value of kv head ``kvh`` as projected, ``(k, k at the RoPE partner columns,
+        v)``, each ``(1, BLOCK_D)`` fp32; zeros (nothing read) unless ``wanted``."""
+        cols = tl.arange(0, BLOCK_D)
+        mask = (cols < tl.where(wanted, HEAD_DIM, 0))[None, :]
+        k_row = kn_ptr + b * stride_knb + kvh * HEAD_DIM
+        k = tl.load(k_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        k_other = tl.load(k_row + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
+        v = tl.load(vn_ptr + b * stride_vnb + kvh * HEAD_DIM + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        return k, k_other, v
+
+    @triton.jit
     def _store_new_key(k, k_other, v, cos, sin, rot, slot, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kvh, HKV, page,
                        DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QMAX_: tl.constexpr,
                        IS_INT: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -339,8 +352,8 @@ if triton is not None:
         # QUANT: fp8/int8 pages with per-token scales. NEW_TOKEN: q and each sequence's newest k arrive unrotated
         # (kn_ptr, vn_ptr: (B, Hkv * D) rows); the program of the split holding the last tile rotates and stores them
         # (:func:`_store_new_key`) and folds that key in from registers. The pages it reads then hold only keys of
-        # earlier steps, so its first tile is loaded before the PDL wait (the kernels two or more launches back have
-        # finished when this one starts: each releases its successor only after its own wait).
+        # earlier steps, so they may be read before the PDL wait (the kernels two or more launches back have finished
+        # when this one starts: each releases its successor only after its own wait).
         # Inductor passes Python floats as fp64 (eager Triton as fp32): pin them, or the scores turn fp64.
         score_scale = tl.cast(score_scale, tl.float32)
         cap_scale = tl.cast(cap_scale, tl.float32)
@@ -348,7 +361,10 @@ if triton is not None:
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         dt = q_ptr.dtype.element_ty
-        if not NEW_TOKEN:
+        # With the context split, a program holds few tiles (often one): its first is loaded before the wait. With
+        # one split a sequence, the whole context runs through the pipelined tile loop instead.
+        PRELOAD: tl.constexpr = NEW_TOKEN and NUM_SPLITS > 1
+        if not PRELOAD:
             wait_inputs(PDL)
         # This split's tiles (split 0 runs even without any, so the combine finds lse = -inf there).
         seq_len = tl.load(seq_lens_ptr + b)
@@ -366,9 +382,10 @@ if triton is not None:
         v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
         ks_base = k_scale_ptr + kvh.to(tl.int64) * stride_sh
         vs_base = v_scale_ptr + kvh.to(tl.int64) * stride_sh
-        n_mask, k, v, k_sc, v_sc = _load_tile(t_start, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
-                                              vs_base, stride_cb, stride_cp, stride_sb, PAGE, HEAD_DIM, BLOCK_D,
-                                              BLOCK_N, QUANT)
+        if PRELOAD:
+            n_mask, k, v, k_sc, v_sc = _load_tile(t_start, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
+                                                  vs_base, stride_cb, stride_cp, stride_sb, PAGE, HEAD_DIM, BLOCK_D,
+                                                  BLOCK_N, QUANT)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         if NEW_TOKEN:  # the token's RoPE row and slot: written before the previous kernel started
@@ -378,16 +395,13 @@ if triton is not None:
             sin = tl.load(sin_ptr + b * stride_cos + offs_d, mask=rot, other=0.0).to(tl.float32)
             sin = tl.where(offs_d < rope_half, -sin, sin)
             slot = tl.load(slot_ptr + b)
-            wait_inputs(PDL)
-            # Every input that the q/k/v projection wrote, in one round trip: this program's queries and, in the
-            # split that folds it in, the new key and value.
-            new_cols = tl.where((split == used - 1) & (seq_len > 0), HEAD_DIM, 0)
-            new_mask = (offs_d < new_cols)[None, :]
-            k_row = kn_ptr + b * stride_knb + kvh * HEAD_DIM
-            k_new = tl.load(k_row + offs_d[None, :], mask=new_mask, other=0.0).to(tl.float32)
-            k_new_other = tl.load(k_row + partner[None, :], mask=new_mask & rot[None, :], other=0.0).to(tl.float32)
-            v_new = tl.load(vn_ptr + b * stride_vnb + kvh * HEAD_DIM + offs_d[None, :], mask=new_mask,
-                            other=0.0).to(tl.float32)
+            if PRELOAD:
+                wait_inputs(PDL)
+                # every input the q/k/v projection wrote in one round trip: the queries below and, in the split
+                # that folds it in, the new key and value
+                k_new, k_new_other, v_new = _load_new_key(kn_ptr, vn_ptr, b, kvh, stride_knb, stride_vnb, partner,
+                                                          rot, (split == used - 1) & (seq_len > 0), HEAD_DIM,
+                                                          BLOCK_D)
 
         heads = kvh * GROUP + offs_h
         h_mask = offs_h < GROUP
@@ -413,9 +427,12 @@ if triton is not None:
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        m_i, l_i, acc = _attend_tile(q, n_mask, k, v, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, dt, SOFTCAP,
-                                     QUANT, DOT_PRECISION, INTERPRETED)
-        for t in range(t_start + 1, t_end):
+        t_first = t_start
+        if PRELOAD:
+            m_i, l_i, acc = _attend_tile(q, n_mask, k, v, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, dt,
+                                         SOFTCAP, QUANT, DOT_PRECISION, INTERPRETED)
+            t_first = t_start + 1
+        for t in range(t_first, t_end):
             n_mask, k, v, k_sc, v_sc = _load_tile(t, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
                                                   vs_base, stride_cb, stride_cp, stride_sb, PAGE, HEAD_DIM, BLOCK_D,
                                                   BLOCK_N, QUANT)
@@ -423,6 +440,9 @@ if triton is not None:
                                          SOFTCAP, QUANT, DOT_PRECISION, INTERPRETED)
         if NEW_TOKEN:
             if (split == used - 1) & (seq_len > 0):
+                if not PRELOAD:  # read only now: not held in registers through the tile loop
+                    k_new, k_new_other, v_new = _load_new_key(kn_ptr, vn_ptr, b, kvh, stride_knb, stride_vnb,
+                                                              partner, rot, seq_len > 0, HEAD_DIM, BLOCK_D)
                 k_new, v_new, k_new_sc, v_new_sc = _store_new_key(
                     k_new, k_new_other, v_new, cos, sin, rot, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                     v_scale_ptr, kvh, num_heads // GROUP, PAGE, dt, HEAD_DIM, BLOCK_D, QMAX_, IS_INT, INTERPRETED)
@@ -533,6 +553,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     return 1 << (splits.bit_length() - 1)  # a power of two: the split count is a kernel constant, so few compiles
 
 
+def launch_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, sliding_window: int) -> int:
+    """The flash-decoding split count a launch over ``q: (B, H, D)`` and these pages picks (static shapes only)."""
+    block_d = max(16, next_pow2(q.shape[-1]))
+    block_n = _tile_config(block_d, q.element_size(), k_cache.element_size())[0]
+    max_context = block_tables.shape[1] * k_cache.shape[1]
+    if sliding_window is not None and sliding_window > 0:
+        max_context = min(max_context, sliding_window + block_n)
+    return choose_num_splits(q.shape[0], k_cache.shape[2], max_context, block_n, _num_sms(q.device))
+
+
 def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, sliding_window: int, softcap: float, num_splits: int,
                             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
@@ -559,12 +589,7 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     block_d = max(16, next_pow2(head_dim))
     block_n, num_warps, num_stages = _tile_config(block_d, q.element_size(), k_cache.element_size())
-    max_context = block_tables.shape[1] * page
-    if sliding_window > 0:
-        max_context = min(max_context, sliding_window + block_n)
-    splits = num_splits
-    if splits <= 0:
-        splits = choose_num_splits(bsz, num_kv_heads, max_context, block_n, _num_sms(q.device))
+    splits = num_splits if num_splits > 0 else launch_splits(q, k_cache, block_tables, sliding_window)
     if splits > 1:
         part = torch.empty((bsz, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((bsz, num_heads, splits), dtype=torch.float32, device=q.device)

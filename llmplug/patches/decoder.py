@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..engine.attention import paged_attention
 from ..ops.act_mul import act_and_mul
+from ..ops.decode_attention import launch_splits
 from ..ops.gemv import add_norm_gemv, gemv, norm_in_prologue
 from ..ops.rms_norm import add_rms_norm, rms_norm
 from ..ops.rope_decode_attention import rope_decode_attention
@@ -226,7 +227,11 @@ class FusedDecoder:
                 q, k = self._norm(q, attn.q_norm), self._norm(k, attn.k_norm)
             cos, sin = rope[lay.rope_key]
             k_cache, v_cache, k_scale, v_scale = cache.layer(i)
-            if meta.is_decode:  # RoPE, the store, attention and its split combine in one kernel
+            if meta.is_decode and launch_splits(q, k_cache, meta.block_tables, lay.window) > 1:
+                # RoPE, the store, attention and its split combine in one kernel. NOTE: H100, 2026-11-22, 8B decode
+                # graph replay (scratch/ab_fused.py, BENCHMARKS.md): bf16 5.485 -> 5.424 ms, int8 3.197 -> 3.130,
+                # int4 2.374 -> 2.285; with one split a sequence (batch 64) the two kernels measured faster (bf16
+                # generate 8,100 vs 7,870 tok/s), so those steps keep them.
                 counters = cache.split_counters if t * k.shape[1] <= cache.split_counters.numel() else None
                 o = rope_decode_attention(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
                                           meta.seq_lens, lay.scale, lay.window, lay.softcap, k_scale=k_scale,

@@ -228,10 +228,10 @@ class FusedDecoder:
             cos, sin = rope[lay.rope_key]
             k_cache, v_cache, k_scale, v_scale = cache.layer(i)
             if meta.is_decode and launch_splits(q, k_cache, meta.block_tables, lay.window) > 1:
-                # RoPE, the store, attention and its split combine in one kernel. NOTE: H100, 2026-11-22, 8B decode
-                # graph replay (scratch/ab_fused.py, BENCHMARKS.md): bf16 5.485 -> 5.424 ms, int8 3.197 -> 3.130,
-                # int4 2.374 -> 2.285; with one split a sequence (batch 64) the two kernels measured faster (bf16
-                # generate 8,100 vs 7,870 tok/s), so those steps keep them.
+                # RoPE, the store, attention and its split combine in one kernel. NOTE: H100, 2026-11-22, 8B
+                # decode graph replay (BENCHMARKS.md, "RoPE, the KV store, decode attention ..."): bf16 5.485 ->
+                # 5.424 ms, int8 3.197 -> 3.130, int4 2.374 -> 2.285; with one split a sequence (batch 64) the two
+                # kernels measured faster (bf16 generate 8,100 vs 7,870 tok/s), so those steps keep them.
                 counters = cache.split_counters if t * k.shape[1] <= cache.split_counters.numel() else None
                 o = rope_decode_attention(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
                                           meta.seq_lens, lay.scale, lay.window, lay.softcap, k_scale=k_scale,

@@ -23,6 +23,9 @@ Kernel design:
   ``q @ k^T``; its V scale, divided by the tile's largest (so ``p`` keeps its range, which matters in fp16),
   multiplies its probability column before ``p @ v``, and that largest scale the tile's ``p @ v``. No dequantized
   copy of the cache is made.
+* The same kernel serves :func:`~llmplug.ops.rope_decode_attention.rope_decode_attention` (``NEW_TOKEN``): RoPE and
+  the new key's store happen inside, the new key is folded in from registers, and with ``split_counters`` the split
+  of each kv head that finishes last does the combine (:func:`_combine_splits`) instead of the second kernel.
 """
 
 from __future__ import annotations

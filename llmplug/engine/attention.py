@@ -1,7 +1,8 @@
 """llmplug's attention: write new K/V into the paged pool, then attend over the pages.
 
 Reached two ways: from any HF model through ``transformers.AttentionInterface`` (:func:`hf_paged_attention`,
-registered as ``"llmplug"``), and directly from the fused family forwards (:func:`paged_attention`).
+registered as ``"llmplug"``), and directly from the fused family forwards (:func:`rope_paged_attention`, RoPE
+included).
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from ..ops.decode_attention import decode_attention
+from ..ops.decode_attention import decode_attention, launch_splits
 from ..ops.kv_store import store_kv
 from ..ops.prefill_attention import prefill_attention
+from ..ops.rope_decode_attention import rope_decode_attention
+from ..ops.rope_store_kv import rope_store_kv
 from .metadata import AttentionMetadata
 
 ATTENTION_NAME = "llmplug"
@@ -53,6 +56,32 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                      meta.cu_seqlens_q[nd:] - nd, meta.context_lens[nd:], meta.max_seqlen_q, scale,
                                      window, cap, **scales)
     return out
+
+
+def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                         sliding_window: int | None = None, softcap: float | None = None,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                         split_counters: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`paged_attention` of ``q, k`` before RoPE (``cos, sin: (T, R)``, HF ``rotate_half``); ``q, k`` may be
+    rotated in place. ``split_counters``: the cache's (``PagedKVCache.split_counters``).
+
+    Decode steps whose context the kernel splits run RoPE, the store, attention and the split combine as one kernel
+    (:func:`~llmplug.ops.rope_decode_attention.rope_decode_attention`); other steps rotate and store
+    (:func:`~llmplug.ops.rope_store_kv.rope_store_kv`), then attend. NOTE: H100, 2026-11-22, 8B decode graph replay
+    (BENCHMARKS.md, "RoPE, the KV store, decode attention ..."): bf16 5.485 -> 5.424 ms, int8 3.197 -> 3.130, int4
+    2.374 -> 2.285; with one split a sequence (batch 64) the two kernels measured faster (bf16 generate 8,088-8,105
+    vs 7,856-7,952 tok/s), so those steps keep them.
+    """
+    if meta.is_decode and launch_splits(q, k_cache, meta.block_tables, sliding_window) > 1:
+        if split_counters is not None and split_counters.numel() < k.shape[0] * k.shape[1]:
+            split_counters = None
+        return rope_decode_attention(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                                     meta.seq_lens, scale, sliding_window, softcap, k_scale=k_scale, v_scale=v_scale,
+                                     split_counters=split_counters)
+    rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap, stored=True,
+                           k_scale=k_scale, v_scale=v_scale)
 
 
 def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

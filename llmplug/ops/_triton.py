@@ -47,7 +47,7 @@ _cpu_kernels = [INTERPRET]
 _PDL_CAPABLE: dict[int, bool] = {}
 _pdl_scope = [False]
 
-__all__ = ["HAS_TRITON", "INTERPRET", "call_op", "cpu_kernels", "exact_rounding", "llmplug_op", "maybe_wrap",
+__all__ = ["HAS_TRITON", "INTERPRET", "call_op", "cpu_kernels", "llmplug_op", "maybe_wrap",
            "next_pow2", "pdl_options", "programmatic_launch", "round_rne", "rounded", "tl", "triton", "use_triton",
            "wait_inputs"]
 
@@ -133,16 +133,6 @@ def pdl_options(t: torch.Tensor) -> dict:
     if index not in _PDL_CAPABLE:
         _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index) >= (9, 0)
     return {"PDL": True, "launch_pdl": True} if _PDL_CAPABLE[index] else {"PDL": False}
-
-
-def exact_rounding() -> dict:
-    """Launch keywords for a kernel whose intermediate roundings (:func:`rounded`) must stay where they are: Triton's
-    default FP fusion otherwise merges a rounded product and the following add into one fused multiply-add with a
-    single rounding. Eager launches only (``{}`` while ``torch.compile`` traces: Inductor launches the kernel with its
-    own options, and those results may differ from HF's by an ulp)."""
-    if torch.compiler.is_compiling() or _current_dispatch_mode() is not None:
-        return {}
-    return {"enable_fp_fusion": False}
 
 
 if triton is not None:

@@ -50,6 +50,7 @@ from ._triton import (
 )
 from .kv_quant import QMAX, check_scales, is_quantized, quantize_rows, read_pages_ref, tile_v_scales
 from .kv_store import check_caches
+from .rope_store_kv import rope_row, rope_rows
 
 LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # passed to the kernel as the window when there is none
@@ -145,27 +146,6 @@ if triton is not None:
         if NEW_TOKEN:
             return tl.maximum(seq_len - 1, 0), window - 1
         return seq_len, window
-
-    @triton.jit
-    def _mul_rn(a, b, INTERPRETED: tl.constexpr):
-        """fp32 ``a * b`` (one shape) rounded on its own: no later add may contract it into a fused multiply-add, as
-        HF rounds the products of its RoPE before their sum."""
-        if INTERPRETED:
-            return a * b
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-
-    @triton.jit
-    def _rope_rows(x, other, cos, sin, rot, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-        """HF ``rotate_half`` RoPE on fp32 rows ``x: (rows, BLOCK_D)``; ``other`` holds each column's partner (``+-
-        R/2``), ``cos, sin: (BLOCK_D,)`` the token's row (``sin`` negated on the first half), ``rot: (BLOCK_D,)`` the
-        rotated columns (the first ``R``; the others pass through). Rounded to ``DTYPE`` where HF rounds: each
-        product, then the sum."""
-        cos = tl.broadcast_to(cos[None, :], x.shape)
-        sin = tl.broadcast_to(sin[None, :], x.shape)
-        turned = rounded(_mul_rn(x, cos, INTERPRETED), DTYPE, INTERPRETED) + rounded(
-            _mul_rn(other, sin, INTERPRETED), DTYPE, INTERPRETED)
-        return rounded(tl.where(rot[None, :], turned, x), DTYPE, INTERPRETED)
 
     @triton.jit
     def _load_tile(t, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base, vs_base, stride_cb, stride_cp,
@@ -278,13 +258,13 @@ if triton is not None:
                        DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QMAX_: tl.constexpr,
                        IS_INT: tl.constexpr, INTERPRETED: tl.constexpr):
         """A sequence's new key and value ``k, v: (1, BLOCK_D)`` fp32 as projected (``k_other``: ``k`` at the RoPE
-        partner columns) of kv head ``kvh``: rotate ``k`` (:func:`_rope_rows`), round both to the model dtype, quantize
-        them for an fp8/int8 cache and store them at flat slot ``slot`` (skipped when negative), as
-        :func:`~llmplug.ops.rope_store_kv.rope_store_kv` does. Returns ``(k, v, k_scale, v_scale)``: the rows as stored
-        (fp32) and ``(1,)`` scales (ones for an unquantized cache)."""
+        partner columns) of kv head ``kvh``: rotate ``k`` (:func:`~llmplug.ops.rope_store_kv.rope_rows`), round both
+        to the model dtype, quantize them for an fp8/int8 cache and store them at flat slot ``slot`` (skipped when
+        negative), as :func:`~llmplug.ops.rope_store_kv.rope_store_kv` does. Returns ``(k, v, k_scale, v_scale)``:
+        the rows as stored (fp32) and ``(1,)`` scales (ones for an unquantized cache)."""
         cols = tl.arange(0, BLOCK_D)
         d_mask = (cols < HEAD_DIM)[None, :]
-        k = _rope_rows(k, k_other, cos, sin, rot, DTYPE, INTERPRETED)
+        k = rope_rows(k, k_other, cos, sin, rot[None, :], DTYPE, INTERPRETED)
         v = rounded(v, DTYPE, INTERPRETED)
         dst = (slot * HKV + kvh) * HEAD_DIM + cols[None, :]
         cache_dt = kc_ptr.dtype.element_ty
@@ -310,10 +290,12 @@ if triton is not None:
     @triton.jit
     def _combine_splits(part_ptr, lse_ptr, out_ptr, b, heads, h_mask, n_used, num_heads, stride_ob, stride_oh,
                         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, INTERPRETED: tl.constexpr):
-        """The combine of :func:`_decode_attn_combine_kernel` for the query ``heads (BLOCK_H,)`` of one kv head, by
-        the split that finished last: partial outputs weighted by ``exp2(lse - max)``, ``CHUNK`` splits a step. The
-        other splits' writes are read past L1 (``.cg``)."""
+                        BLOCK_S: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Sequence ``b``'s attention output for query ``heads`` (``h_mask``: the real ones) from the partial outputs
+        and log-sum-exps of its first ``n_used`` splits, weighted by ``exp2(lse - max)``, ``CHUNK`` splits a step:
+        what :func:`_decode_attn_combine_kernel` does for one head, here for a kv head's query heads in the split
+        that finished last. Reads past L1 (``.cg``): other programs wrote these."""
+        CHUNK: tl.constexpr = 4  # (heads, CHUNK, BLOCK_D) partials in registers at a time
         offs_d = tl.arange(0, BLOCK_D)
         offs_s = tl.arange(0, BLOCK_S)
         rows = (b * num_heads + heads).to(tl.int64) * NUM_SPLITS  # (BLOCK_H,) each head's split 0
@@ -329,9 +311,9 @@ if triton is not None:
             lse_c = tl.load(lse_ptr + rows[:, None] + c + offs_c[None, :], mask=s_mask, other=float("-inf"),
                             cache_modifier=".cg")
             w = tl.where(lse_c > float("-inf"), tl.exp2(lse_c - m[:, None]), 0.0)
-            used_c = s_mask & (lse_c > float("-inf"))
+            # every split below n_used wrote its partial (zeros where lse is -inf): no wait on lse for this load
             part = tl.load(part_ptr + (rows[:, None] + c + offs_c[None, :])[:, :, None] * HEAD_DIM
-                           + offs_d[None, None, :], mask=used_c[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
+                           + offs_d[None, None, :], mask=s_mask[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
                            other=0.0, cache_modifier=".cg")
             acc += tl.sum(part * w[:, :, None], 1)
         out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
@@ -392,11 +374,7 @@ if triton is not None:
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         if NEW_TOKEN:  # the token's RoPE row and slot: written before the previous kernel started
-            rot = offs_d < 2 * rope_half
-            partner = tl.where(offs_d < rope_half, offs_d + rope_half, offs_d - rope_half)
-            cos = tl.load(cos_ptr + b * stride_cos + offs_d, mask=rot, other=1.0).to(tl.float32)
-            sin = tl.load(sin_ptr + b * stride_cos + offs_d, mask=rot, other=0.0).to(tl.float32)
-            sin = tl.where(offs_d < rope_half, -sin, sin)
+            rot, partner, cos, sin = rope_row(cos_ptr + b * stride_cos, sin_ptr + b * stride_cos, offs_d, rope_half)
             slot = tl.load(slot_ptr + b)
             if PRELOAD:
                 wait_inputs(PDL)
@@ -416,7 +394,7 @@ if triton is not None:
         q = tl.load(q_rows + offs_d[None, :], mask=hd_mask, other=0.0)
         if NEW_TOKEN:
             q_other = tl.load(q_rows + partner[None, :], mask=hd_mask & rot[None, :], other=0.0).to(tl.float32)
-            q = _rope_rows(q.to(tl.float32), q_other, cos, sin, rot, dt, INTERPRETED)
+            q = rope_rows(q.to(tl.float32), q_other, cos, sin, rot[None, :], dt, INTERPRETED)
             if not INTERPRETED:
                 q = q.to(dt)
         if INTERPRETED:
@@ -470,7 +448,7 @@ if triton is not None:
                 if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
                     tl.store(counter, 0)  # zeros again for the next launch
                     _combine_splits(part_ptr, lse_ptr, out_ptr, b, heads, h_mask, used, num_heads, stride_ob,
-                                    stride_oh, NUM_SPLITS, HEAD_DIM, BLOCK_D, BLOCK_S, 4, INTERPRETED)
+                                    stride_oh, NUM_SPLITS, HEAD_DIM, BLOCK_D, BLOCK_S, INTERPRETED)
 
     @triton.jit
     def _decode_attn_combine_kernel(
@@ -491,6 +469,9 @@ if triton is not None:
         INTERPRETED: tl.constexpr,
         PDL: tl.constexpr,
     ):
+        # NOTE: one head a program, all splits in one load. Calling _combine_splits here (one head, one chunk)
+        # measured slower: 8B bf16 decode graph replay on the unfused path 5.501-5.506 ms against 5.485-5.487
+        # (H100, 2026-11-22, two machines; the fused path's 5.42 the same on both).
         wait_inputs(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)

@@ -13,7 +13,6 @@ import torch
 from ._triton import (
     INTERPRET,
     call_op,
-    exact_rounding,
     llmplug_op,
     maybe_wrap,
     next_pow2,
@@ -60,6 +59,37 @@ def rope_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale
 if triton is not None:
 
     @triton.jit
+    def rope_row(cos_ptr, sin_ptr, cols, half):
+        """A token's RoPE row over columns ``cols (BLOCK_D,)`` for rotary dim ``2 * half``: ``(rot, partner, cos,
+        sin)``; ``rot`` the rotated columns, ``partner`` each column's partner (``+- half``), ``cos`` (1 past the
+        rotary dims) and ``sin`` negated on the first half (0 past them) in fp32, as :func:`rope_rows` takes them."""
+        rot = cols < 2 * half
+        partner = tl.where(cols < half, cols + half, cols - half)
+        cos = tl.load(cos_ptr + cols, mask=rot, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cols, mask=rot, other=0.0).to(tl.float32)
+        return rot, partner, cos, tl.where(cols < half, -sin, sin)
+
+    @triton.jit
+    def mul_rn(a, b, INTERPRETED: tl.constexpr):
+        """fp32 ``a * b`` (one shape) rounded on its own: no later add may contract it into a fused multiply-add, as
+        HF rounds the products of its RoPE before their sum."""
+        if INTERPRETED:
+            return a * b
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+    @triton.jit
+    def rope_rows(x, other, cos, sin, rotate, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+        """HF ``rotate_half`` RoPE on fp32 rows ``x: (rows, BLOCK_D)``; ``other`` holds each column's partner,
+        ``cos, sin: (BLOCK_D,)`` from :func:`rope_row`, ``rotate`` (broadcast to ``x``) the elements to rotate (the
+        others pass through). Rounded to ``DTYPE`` where HF rounds: each product, then the sum."""
+        cos = tl.broadcast_to(cos[None, :], x.shape)
+        sin = tl.broadcast_to(sin[None, :], x.shape)
+        turned = rounded(mul_rn(x, cos, INTERPRETED), DTYPE, INTERPRETED) + rounded(
+            mul_rn(other, sin, INTERPRETED), DTYPE, INTERPRETED)
+        return rounded(tl.where(rotate, turned, x), DTYPE, INTERPRETED)
+
+    @triton.jit
     def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, H, HKV,
                               D, HALF, page, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                               stride_cos, stride_sin, HEADS: tl.constexpr, BLOCK_D: tl.constexpr, QMAX_: tl.constexpr,
@@ -73,11 +103,7 @@ if triton is not None:
         is_v = heads >= H + HKV
         valid = heads < H + 2 * HKV
         cols = tl.arange(0, BLOCK_D)
-        rot = cols < 2 * HALF
-        partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
-        sign = tl.where(cols < HALF, -1.0, 1.0)
-        cos = tl.load(cos_ptr + t * stride_cos + cols, mask=rot, other=1.0).to(tl.float32)
-        sin = tl.load(sin_ptr + t * stride_sin + cols, mask=rot, other=0.0).to(tl.float32) * sign
+        rot, partner, cos, sin = rope_row(cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, cols, HALF)
         q_row = q_ptr + t * stride_qt + heads * stride_qh
         k_row = k_ptr + t * stride_kt + (heads - H) * stride_kh
         v_row = v_ptr + t * stride_vt + (heads - H - HKV) * stride_vh
@@ -87,9 +113,7 @@ if triton is not None:
         rotate = (~is_v)[:, None] & rot[None, :]
         other = tl.load(row + partner[None, :], mask=mask & rotate, other=0.0).to(tl.float32)
         dt = q_ptr.dtype.element_ty
-        # HF's q * cos + rotate_half(q) * sin in the model dtype: each product rounded, then the sum
-        turned = rounded(x * cos[None, :], dt, INTERPRETED) + rounded(other * sin[None, :], dt, INTERPRETED)
-        y = rounded(tl.where(rotate, turned, x), dt, INTERPRETED).to(dt)
+        y = rope_rows(x, other, cos, sin, rotate, dt, INTERPRETED).to(dt)
         tl.store(row + cols[None, :], y, mask=mask & rotate)
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
@@ -127,7 +151,7 @@ def _rope_store_kv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         k_cache.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), HEADS=heads, BLOCK_D=block_d,
         QMAX_=QMAX[k_cache.dtype] if quantized else 0.0, IS_INT=k_cache.dtype == torch.int8, INTERPRETED=INTERPRET,
-        num_warps=max(1, min(8, heads * block_d // 256)), **pdl_options(q), **exact_rounding())
+        num_warps=max(1, min(8, heads * block_d // 256)), **pdl_options(q))
 
 
 @_rope_store_kv_op.register_fake

@@ -13,13 +13,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..engine.attention import paged_attention
+from ..engine.attention import rope_paged_attention
 from ..ops.act_mul import act_and_mul
-from ..ops.decode_attention import launch_splits
 from ..ops.gemv import add_norm_gemv, gemv, norm_in_prologue
 from ..ops.rms_norm import add_rms_norm, rms_norm
-from ..ops.rope_decode_attention import rope_decode_attention
-from ..ops.rope_store_kv import rope_store_kv
 from ..quant.linear import QuantLinear, fuse_quant_linears
 from .undo import UndoLog
 
@@ -227,19 +224,8 @@ class FusedDecoder:
                 q, k = self._norm(q, attn.q_norm), self._norm(k, attn.k_norm)
             cos, sin = rope[lay.rope_key]
             k_cache, v_cache, k_scale, v_scale = cache.layer(i)
-            if meta.is_decode and launch_splits(q, k_cache, meta.block_tables, lay.window) > 1:
-                # RoPE, the store, attention and its split combine in one kernel. NOTE: H100, 2026-11-22, 8B
-                # decode graph replay (BENCHMARKS.md, "RoPE, the KV store, decode attention ..."): bf16 5.485 ->
-                # 5.424 ms, int8 3.197 -> 3.130, int4 2.374 -> 2.285; with one split a sequence (batch 64) the two
-                # kernels measured faster (bf16 generate 8,100 vs 7,870 tok/s), so those steps keep them.
-                counters = cache.split_counters if t * k.shape[1] <= cache.split_counters.numel() else None
-                o = rope_decode_attention(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                                          meta.seq_lens, lay.scale, lay.window, lay.softcap, k_scale=k_scale,
-                                          v_scale=v_scale, split_counters=counters)
-            else:
-                rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-                o = paged_attention(q, k, v, k_cache, v_cache, meta, lay.scale, lay.window, lay.softcap, stored=True,
-                                    k_scale=k_scale, v_scale=v_scale)
+            o = rope_paged_attention(q, k, v, cos, sin, k_cache, v_cache, meta, lay.scale, lay.window, lay.softcap,
+                                     k_scale, v_scale, cache.split_counters)
             if spec.sandwich_norms:  # the norm after each sublayer comes before the residual add
                 hidden = self._norm(lay.o.matmul(o.view(t, -1)), layer.post_attention_layernorm)
                 gated, residual = self._add_norm_matmul(lay.gate_up, None, hidden, residual,

@@ -186,13 +186,3 @@ def test_quantized_cache_matches_reference(kv_dtype, tokens, heads, d, r, dtype)
     assert_close_elementwise(qkv, qkv_ref)
     for got, want in zip(caches, caches_ref, strict=True):
         assert torch.equal(bits(got), bits(want))
-
-
-def test_exact_rounding_only_in_eager_launches():
-    """The RoPE kernel keeps its roundings (no FP fusion) when launched eagerly; under ``torch.compile`` Inductor
-    launches it with its own options, so nothing is passed then."""
-    from llmplug.ops._triton import exact_rounding
-
-    assert exact_rounding() == {"enable_fp_fusion": False}
-    traced = torch.compile(lambda x: x + len(exact_rounding()), fullgraph=True, backend="eager")
-    assert traced(torch.zeros(1)).item() == 0.0

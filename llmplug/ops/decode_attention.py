@@ -14,7 +14,7 @@ Kernel design:
   the kernel writes the output directly; otherwise each split writes an fp32 partial output plus its log-sum-exp and a
   small second kernel combines them. A split past the sequence's last tile returns at once, writing nothing (split 0
   always writes, ``lse = -inf`` when the sequence has no keys); the combine recomputes from ``seq_lens`` how many
-  splits hold tiles and reads only those (:func:`_tile_split`).
+  splits hold tiles and reads only those (:func:`tile_split`).
 * Inner loop: per tile, load the block ids of its tokens, gather ``BLOCK_N`` K rows (``D`` contiguous elements, stride
   ``Hkv * D`` between tokens of a page: 16-byte loads), ``q @ k^T`` in fp32, online softmax in base 2 (``log2(e)``
   folded into the scale), then ``p @ v``.
@@ -25,15 +25,27 @@ Kernel design:
   copy of the cache is made.
 * The same kernel serves :func:`~llmplug.ops.rope_decode_attention.rope_decode_attention` (``NEW_TOKEN``): RoPE and
   the new key's store happen inside, the new key is folded in from registers, and with ``split_counters`` the split
-  of each kv head that finishes last does the combine (:func:`_combine_splits`) instead of the second kernel.
+  of each kv head that finishes last does the combine (:func:`combine_splits`) instead of the second kernel.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from ._paged_decode import (
+    MAX_SPLITS,
+    attend_tile,
+    choose_num_splits,
+    combine_splits,
+    fold_new_key,
+    load_new_key,
+    load_tile,
+    sm_count,
+    store_new_key,
+    tile_config,
+    tile_split,
+    visible_keys,
+)
 from ._triton import (
     INTERPRET,
     call_op,
@@ -42,21 +54,17 @@ from ._triton import (
     next_pow2,
     pdl_options,
     round_rne,
-    rounded,
     tl,
     triton,
     use_triton,
     wait_inputs,
 )
-from .kv_quant import QMAX, check_scales, is_quantized, quantize_rows, read_pages_ref, tile_v_scales
+from .kv_quant import QMAX, check_scales, is_quantized, read_pages_ref
 from .kv_store import check_caches
 from .rope_store_kv import rope_row, rope_rows
 
 LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # passed to the kernel as the window when there is none
-_MAX_SPLITS = 64
-_MIN_TILES_PER_SPLIT = 4
-_INTERPRETER_SMS = 4  # pretend SM count under the interpreter / on CPU, so small tests still get several splits
 
 
 def decode_attention_ref(
@@ -110,219 +118,6 @@ def decode_attention_ref(
 if triton is not None:
 
     @triton.jit
-    def _tanh(x):
-        # Accurate for fp32 also near 0 (1 - exp(-2|x|) cancels there): odd Taylor polynomial for |x| < 0.3.
-        ax = tl.abs(x)
-        x2 = x * x
-        poly = -0.008863235529902197  # Taylor coefficients of tanh(x) / x in x^2, highest first
-        poly = poly * x2 + 0.021869488536155203
-        poly = poly * x2 - 0.05396825396825397
-        poly = poly * x2 + 0.13333333333333333
-        poly = poly * x2 - 0.3333333333333333
-        poly = x * (poly * x2 + 1.0)
-        e = tl.exp(-2.0 * ax)
-        big = (1.0 - e) / (1.0 + e)
-        big = tl.where(x < 0, -big, big)
-        return tl.where(ax < 0.3, poly, big)
-
-    @triton.jit
-    def _tile_split(seq_len, window, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
-        """``(tile_lo, tile_hi, per_split, used)``: tile ``t`` covers positions ``[t * BLOCK_N, (t + 1) * BLOCK_N)``;
-        the visible positions are ``[seq_len - window, seq_len)``, so every tile in ``[tile_lo, tile_hi)`` holds at
-        least one visible key. Split ``s`` takes tiles ``tile_lo + s * per_split`` on; the first ``used`` splits hold
-        tiles, at least one split counting as used (split 0 runs even for a sequence without keys)."""
-        tile_lo = tl.maximum(seq_len - window, 0) // BLOCK_N
-        tile_hi = tl.cdiv(seq_len, BLOCK_N)
-        n_tiles = tl.maximum(tile_hi - tile_lo, 0)
-        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-        used = tl.maximum(tl.cdiv(n_tiles, tl.maximum(per_split, 1)), 1)
-        return tile_lo, tile_hi, per_split, used
-
-    @triton.jit
-    def _visible_keys(seq_len, window, NEW_TOKEN: tl.constexpr):
-        """``(n_keys, key_window)``: the keys the tile loop reads from the pages. Without ``NEW_TOKEN`` all of
-        ``seq_len``; with it the newest key is folded in from registers (:func:`_fold_new_key`), so the loop reads the
-        ``seq_len - 1`` older ones, of which the window keeps ``window - 1``."""
-        if NEW_TOKEN:
-            return tl.maximum(seq_len - 1, 0), window - 1
-        return seq_len, window
-
-    @triton.jit
-    def _load_tile(t, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base, vs_base, stride_cb, stride_cp,
-                   stride_sb, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
-        """Tile ``t``'s visible keys: ``(mask (BLOCK_N,), k, v (BLOCK_N, BLOCK_D) as stored, k / v scales
-        (BLOCK_N,))``; nothing is read when ``t >= t_end``. The scales are zeros for an unquantized cache."""
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
-        pos = t * BLOCK_N + offs_n
-        n_mask = (pos < n_keys) & (pos >= win_start) & (pos < t_end * BLOCK_N)  # t < t_end
-        # Block ids of the tile's tokens (masked: entries past the sequence are never read).
-        blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        in_page = (pos % PAGE).to(tl.int64)
-        if BLOCK_D == HEAD_DIM:
-            kv_mask = n_mask[:, None]
-        else:
-            kv_mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-        rows = blk * stride_cb + in_page * stride_cp  # K and V caches share one layout
-        k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if QUANT:
-            s_rows = blk * stride_sb + in_page
-            k_sc = tl.load(ks_base + s_rows, mask=n_mask, other=0.0)
-            v_sc = tl.load(vs_base + s_rows, mask=n_mask, other=0.0)
-        else:
-            k_sc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            v_sc = k_sc
-        return n_mask, k, v, k_sc, v_sc
-
-    @triton.jit
-    def _attend_tile(q, n_mask, k, v, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, DTYPE: tl.constexpr,
-                     SOFTCAP: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     INTERPRETED: tl.constexpr):
-        """One online-softmax step over a tile from :func:`_load_tile`: ``q @ k^T`` in fp32, base-2 softmax, ``p @ v``
-        with ``p`` in the matmul dtype (``q.dtype``). Returns ``(m_i, l_i, acc)``; a tile without a visible key
-        changes nothing."""
-        if INTERPRETED:
-            k = k.to(tl.float32)
-        else:
-            k = k.to(q.dtype)  # a no-op unless the cache is quantized
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N) fp32
-        if QUANT:
-            qk = qk * k_sc[None, :]
-        if SOFTCAP:
-            s = _tanh(qk * score_scale) * cap_scale
-        else:
-            s = qk * score_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing visible yet: p and alpha come out 0
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANT:
-            v_ratio, v_max = tile_v_scales(v_sc)
-            p = p * v_ratio[None, :]
-        # Like flash attention: P in the input dtype for the PV matmul.
-        if INTERPRETED:
-            p = round_rne(p, DTYPE)
-            v = v.to(tl.float32)
-        else:
-            p = p.to(q.dtype)
-            v = v.to(q.dtype)
-        pv = tl.dot(p, v, input_precision=DOT_PRECISION)
-        if QUANT:
-            pv = pv * v_max
-        return m_new, l_i, acc * alpha[:, None] + pv
-
-    @triton.jit
-    def _fold_new_key(q, k_new, v_new, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, DTYPE: tl.constexpr,
-                      SOFTCAP: tl.constexpr, QUANT: tl.constexpr, INTERPRETED: tl.constexpr):
-        """:func:`_attend_tile` for one more key held in registers: ``k_new, v_new (1, BLOCK_D)`` fp32 as stored
-        (storage-grid values with scalar-like ``(1,)`` scales ``k_sc, v_sc`` when ``QUANT``)."""
-        qk = tl.sum(q.to(tl.float32) * k_new, 1)
-        if QUANT:
-            qk = qk * k_sc
-        if SOFTCAP:
-            s = _tanh(qk * score_scale) * cap_scale
-        else:
-            s = qk * score_scale
-        m_new = tl.maximum(m_i, s)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        l_i = l_i * alpha + p
-        if INTERPRETED:
-            p = round_rne(p, DTYPE)
-        else:
-            p = p.to(q.dtype).to(tl.float32)
-        pv = p[:, None] * v_new
-        if QUANT:
-            pv = pv * v_sc
-        return m_new, l_i, acc * alpha[:, None] + pv
-
-    @triton.jit
-    def _load_new_key(kn_ptr, vn_ptr, b, kvh, stride_knb, stride_vnb, partner, rot, wanted, HEAD_DIM: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
-        """Sequence ``b``'s new key and value of kv head ``kvh`` as projected, ``(k, k at the RoPE partner columns,
-        v)``, each ``(1, BLOCK_D)`` fp32; zeros (nothing read) unless ``wanted``."""
-        cols = tl.arange(0, BLOCK_D)
-        mask = (cols < tl.where(wanted, HEAD_DIM, 0))[None, :]
-        k_row = kn_ptr + b * stride_knb + kvh * HEAD_DIM
-        k = tl.load(k_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        k_other = tl.load(k_row + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
-        v = tl.load(vn_ptr + b * stride_vnb + kvh * HEAD_DIM + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        return k, k_other, v
-
-    @triton.jit
-    def _store_new_key(k, k_other, v, cos, sin, rot, slot, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kvh, HKV, page,
-                       DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QMAX_: tl.constexpr,
-                       IS_INT: tl.constexpr, INTERPRETED: tl.constexpr):
-        """A sequence's new key and value ``k, v: (1, BLOCK_D)`` fp32 as projected (``k_other``: ``k`` at the RoPE
-        partner columns) of kv head ``kvh``: rotate ``k`` (:func:`~llmplug.ops.rope_store_kv.rope_rows`), round both
-        to the model dtype, quantize them for an fp8/int8 cache and store them at flat slot ``slot`` (skipped when
-        negative), as :func:`~llmplug.ops.rope_store_kv.rope_store_kv` does. Returns ``(k, v, k_scale, v_scale)``:
-        the rows as stored (fp32) and ``(1,)`` scales (ones for an unquantized cache)."""
-        cols = tl.arange(0, BLOCK_D)
-        d_mask = (cols < HEAD_DIM)[None, :]
-        k = rope_rows(k, k_other, cos, sin, rot[None, :], DTYPE, INTERPRETED)
-        v = rounded(v, DTYPE, INTERPRETED)
-        dst = (slot * HKV + kvh) * HEAD_DIM + cols[None, :]
-        cache_dt = kc_ptr.dtype.element_ty
-        if QMAX_ > 0:
-            k, k_sc = quantize_rows(k, QMAX_, IS_INT, INTERPRETED)
-            v, v_sc = quantize_rows(v, QMAX_, IS_INT, INTERPRETED)
-            k = k.to(cache_dt)
-            v = v.to(cache_dt)
-            if slot >= 0:
-                s_dst = (slot // page * HKV + kvh) * page + slot % page + tl.zeros([1], dtype=tl.int64)
-                tl.store(ks_ptr + s_dst, k_sc)
-                tl.store(vs_ptr + s_dst, v_sc)
-        else:
-            k = k.to(cache_dt)
-            v = v.to(cache_dt)
-            k_sc = tl.full([1], 1.0, dtype=tl.float32)
-            v_sc = k_sc
-        if slot >= 0:
-            tl.store(kc_ptr + dst, k, mask=d_mask)
-            tl.store(vc_ptr + dst, v, mask=d_mask)
-        return k.to(tl.float32), v.to(tl.float32), k_sc, v_sc
-
-    @triton.jit
-    def _combine_splits(part_ptr, lse_ptr, out_ptr, b, heads, h_mask, n_used, num_heads, stride_ob, stride_oh,
-                        NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_S: tl.constexpr, INTERPRETED: tl.constexpr):
-        """Sequence ``b``'s attention output for query ``heads`` (``h_mask``: the real ones) from the partial outputs
-        and log-sum-exps of its first ``n_used`` splits, weighted by ``exp2(lse - max)``, ``CHUNK`` splits a step:
-        what :func:`_decode_attn_combine_kernel` does for one head, here for a kv head's query heads in the split
-        that finished last. Reads past L1 (``.cg``): other programs wrote these."""
-        CHUNK: tl.constexpr = 4  # (heads, CHUNK, BLOCK_D) partials in registers at a time
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_s = tl.arange(0, BLOCK_S)
-        rows = (b * num_heads + heads).to(tl.int64) * NUM_SPLITS  # (BLOCK_H,) each head's split 0
-        lse = tl.load(lse_ptr + rows[:, None] + offs_s[None, :], mask=h_mask[:, None] & (offs_s < n_used)[None, :],
-                      other=float("-inf"), cache_modifier=".cg")
-        m = tl.max(lse, 1)
-        m = tl.where(m > float("-inf"), m, 0.0)
-        total = tl.sum(tl.where(lse > float("-inf"), tl.exp2(lse - m[:, None]), 0.0), 1)
-        acc = tl.zeros([heads.shape[0], BLOCK_D], dtype=tl.float32)
-        offs_c = tl.arange(0, CHUNK)
-        for c in range(0, n_used, CHUNK):
-            s_mask = h_mask[:, None] & ((c + offs_c) < n_used)[None, :]  # (BLOCK_H, CHUNK)
-            lse_c = tl.load(lse_ptr + rows[:, None] + c + offs_c[None, :], mask=s_mask, other=float("-inf"),
-                            cache_modifier=".cg")
-            w = tl.where(lse_c > float("-inf"), tl.exp2(lse_c - m[:, None]), 0.0)
-            # every split below n_used wrote its partial (zeros where lse is -inf): no wait on lse for this load
-            part = tl.load(part_ptr + (rows[:, None] + c + offs_c[None, :])[:, :, None] * HEAD_DIM
-                           + offs_d[None, None, :], mask=s_mask[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
-                           other=0.0, cache_modifier=".cg")
-            acc += tl.sum(part * w[:, :, None], 1)
-        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-        if INTERPRETED:
-            out = round_rne(out, out_ptr.dtype.element_ty)
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
-
-    @triton.jit
     def _decode_attn_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_ptr,
         lse_ptr, score_scale, cap_scale, window, num_heads, stride_qb, stride_qh, stride_cb, stride_cp, stride_ch,
@@ -336,7 +131,7 @@ if triton is not None:
     ):
         # QUANT: fp8/int8 pages with per-token scales. NEW_TOKEN: q and each sequence's newest k arrive unrotated
         # (kn_ptr, vn_ptr: (B, Hkv * D) rows); the program of the split holding the last tile rotates and stores them
-        # (:func:`_store_new_key`) and folds that key in from registers. The pages it reads then hold only keys of
+        # (:func:`store_new_key`) and folds that key in from registers. The pages it reads then hold only keys of
         # earlier steps, so they may be read before the PDL wait (the kernels two or more launches back have finished
         # when this one starts: each releases its successor only after its own wait).
         # Inductor passes Python floats as fp64 (eager Triton as fp32): pin them, or the scores turn fp64.
@@ -353,9 +148,9 @@ if triton is not None:
             wait_inputs(PDL)
         # This split's tiles (split 0 runs even without any, so the combine finds lse = -inf there).
         seq_len = tl.load(seq_lens_ptr + b)
-        n_keys, key_window = _visible_keys(seq_len, window, NEW_TOKEN)
+        n_keys, key_window = visible_keys(seq_len, window, NEW_TOKEN)
         win_start = tl.maximum(n_keys - key_window, 0)
-        tile_lo, tile_hi, per_split, used = _tile_split(n_keys, key_window, BLOCK_N, NUM_SPLITS)
+        tile_lo, tile_hi, per_split, used = tile_split(n_keys, key_window, BLOCK_N, NUM_SPLITS)
         if NUM_SPLITS > 1:
             if split >= used:
                 return
@@ -368,9 +163,9 @@ if triton is not None:
         ks_base = k_scale_ptr + kvh.to(tl.int64) * stride_sh
         vs_base = v_scale_ptr + kvh.to(tl.int64) * stride_sh
         if PRELOAD:
-            n_mask, k, v, k_sc, v_sc = _load_tile(t_start, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
-                                                  vs_base, stride_cb, stride_cp, stride_sb, PAGE, HEAD_DIM, BLOCK_D,
-                                                  BLOCK_N, QUANT)
+            n_mask, k, v, k_sc, v_sc = load_tile(t_start, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
+                                                 vs_base, stride_cb, stride_cp, stride_sb, PAGE, HEAD_DIM, BLOCK_D,
+                                                 BLOCK_N, QUANT)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         if NEW_TOKEN:  # the token's RoPE row and slot: written before the previous kernel started
@@ -380,9 +175,9 @@ if triton is not None:
                 wait_inputs(PDL)
                 # every input the q/k/v projection wrote in one round trip: the queries below and, in the split
                 # that folds it in, the new key and value
-                k_new, k_new_other, v_new = _load_new_key(kn_ptr, vn_ptr, b, kvh, stride_knb, stride_vnb, partner,
-                                                          rot, (split == used - 1) & (seq_len > 0), HEAD_DIM,
-                                                          BLOCK_D)
+                k_new, k_new_other, v_new = load_new_key(kn_ptr, vn_ptr, b, kvh, stride_knb, stride_vnb, partner,
+                                                         rot, (split == used - 1) & (seq_len > 0), HEAD_DIM,
+                                                         BLOCK_D)
 
         heads = kvh * GROUP + offs_h
         h_mask = offs_h < GROUP
@@ -410,25 +205,25 @@ if triton is not None:
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         t_first = t_start
         if PRELOAD:
-            m_i, l_i, acc = _attend_tile(q, n_mask, k, v, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, dt,
-                                         SOFTCAP, QUANT, DOT_PRECISION, INTERPRETED)
+            m_i, l_i, acc = attend_tile(q, n_mask, k, v, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, dt,
+                                        SOFTCAP, QUANT, DOT_PRECISION, INTERPRETED)
             t_first = t_start + 1
         for t in range(t_first, t_end):
-            n_mask, k, v, k_sc, v_sc = _load_tile(t, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
-                                                  vs_base, stride_cb, stride_cp, stride_sb, PAGE, HEAD_DIM, BLOCK_D,
-                                                  BLOCK_N, QUANT)
-            m_i, l_i, acc = _attend_tile(q, n_mask, k, v, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, dt,
-                                         SOFTCAP, QUANT, DOT_PRECISION, INTERPRETED)
+            n_mask, k, v, k_sc, v_sc = load_tile(t, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
+                                                 vs_base, stride_cb, stride_cp, stride_sb, PAGE, HEAD_DIM, BLOCK_D,
+                                                 BLOCK_N, QUANT)
+            m_i, l_i, acc = attend_tile(q, n_mask, k, v, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, dt,
+                                        SOFTCAP, QUANT, DOT_PRECISION, INTERPRETED)
         if NEW_TOKEN:
             if (split == used - 1) & (seq_len > 0):
                 if not PRELOAD:  # read only now: not held in registers through the tile loop
-                    k_new, k_new_other, v_new = _load_new_key(kn_ptr, vn_ptr, b, kvh, stride_knb, stride_vnb,
-                                                              partner, rot, seq_len > 0, HEAD_DIM, BLOCK_D)
-                k_new, v_new, k_new_sc, v_new_sc = _store_new_key(
+                    k_new, k_new_other, v_new = load_new_key(kn_ptr, vn_ptr, b, kvh, stride_knb, stride_vnb,
+                                                             partner, rot, seq_len > 0, HEAD_DIM, BLOCK_D)
+                k_new, v_new, k_new_sc, v_new_sc = store_new_key(
                     k_new, k_new_other, v_new, cos, sin, rot, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                     v_scale_ptr, kvh, num_heads // GROUP, PAGE, dt, HEAD_DIM, BLOCK_D, QMAX_, IS_INT, INTERPRETED)
-                m_i, l_i, acc = _fold_new_key(q, k_new, v_new, k_new_sc, v_new_sc, m_i, l_i, acc, score_scale,
-                                              cap_scale, dt, SOFTCAP, QUANT, INTERPRETED)
+                m_i, l_i, acc = fold_new_key(q, k_new, v_new, k_new_sc, v_new_sc, m_i, l_i, acc, score_scale,
+                                             cap_scale, dt, SOFTCAP, QUANT, INTERPRETED)
 
         has_keys = l_i > 0.0
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # no keys (padding row / empty split): zeros
@@ -447,8 +242,8 @@ if triton is not None:
                 counter = counters_ptr + b * (num_heads // GROUP) + kvh
                 if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
                     tl.store(counter, 0)  # zeros again for the next launch
-                    _combine_splits(part_ptr, lse_ptr, out_ptr, b, heads, h_mask, used, num_heads, stride_ob,
-                                    stride_oh, NUM_SPLITS, HEAD_DIM, BLOCK_D, BLOCK_S, INTERPRETED)
+                    combine_splits(part_ptr, lse_ptr, out_ptr, b, heads, h_mask, used, num_heads, stride_ob,
+                                   stride_oh, NUM_SPLITS, HEAD_DIM, BLOCK_D, BLOCK_S, INTERPRETED)
 
     @triton.jit
     def _decode_attn_combine_kernel(
@@ -469,7 +264,7 @@ if triton is not None:
         INTERPRETED: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        # NOTE: one head a program, all splits in one load. Calling _combine_splits here (one head, one chunk)
+        # NOTE: one head a program, all splits in one load. Calling combine_splits here (one head, one chunk)
         # measured slower: 8B bf16 decode graph replay on the unfused path 5.501-5.506 ms against 5.485-5.487
         # (H100, 2026-11-22, two machines; the fused path's 5.42 the same on both).
         wait_inputs(PDL)
@@ -478,8 +273,8 @@ if triton is not None:
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         row0 = (b * num_heads + h).to(tl.int64) * NUM_SPLITS
-        n_keys, key_window = _visible_keys(tl.load(seq_lens_ptr + b), window, NEW_TOKEN)
-        n_used = _tile_split(n_keys, key_window, BLOCK_N, NUM_SPLITS)[3]  # the others wrote nothing
+        n_keys, key_window = visible_keys(tl.load(seq_lens_ptr + b), window, NEW_TOKEN)
+        n_used = tile_split(n_keys, key_window, BLOCK_N, NUM_SPLITS)[3]  # the others wrote nothing
         lse = tl.load(lse_ptr + row0 + offs_s, mask=offs_s < n_used, other=float("-inf"))
         used = lse > float("-inf")  # -inf: no keys in the sequence
         m = tl.max(lse, 0)
@@ -498,53 +293,14 @@ if triton is not None:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return _INTERPRETER_SMS
-
-
-def _tile_config(head_dim: int, elem_size: int, cache_elem_size: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)`` for a (padded) head dim and the query's and cache's element sizes."""
-    # NOTE: bf16/fp16 pages: 64 tokens a tile up to D=128, else 32 (a K or V tile <= 16 KiB), so >= 4 programs fit
-    # an SM (sm_90a: 96-126 registers, 39 KiB shared memory at D=128); fp32 (FMA dots): 16. fp8/int8 pages (both
-    # matmuls in fp16), H100, 2026-11-22, batch 64 x 32 heads (8 kv) x D=128, us at context 384 / 2048 (bf16 pages
-    # 38.5 / 181.2): 128 tokens on 4 warps fp8 33.5 / 144.6, int8 36.3 / 163.3; 64 on 8 warps (before) 60.9 / 277.7.
-    if elem_size >= 4:
-        return 16, 4, 3
-    if cache_elem_size == 1:
-        return (128 if head_dim <= 128 else 64), 4, 3
-    return (64 if head_dim <= 128 else 32), 4, 3
-
-
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
-    """Flash-decoding split count from static quantities only (CUDA-graph safe: never from ``seq_lens`` values).
-
-    Aims for about two programs per SM (``batch * num_kv_heads * splits >= 2 * num_sms``), but gives every split at
-    least ``_MIN_TILES_PER_SPLIT`` tiles of the longest possible context, and caps at ``_MAX_SPLITS``; rounded down
-    to a power of two. E.g. on 132 SMs with 8 kv heads and 8k context in 64-token tiles: batch 1 -> 32 splits,
-    batch 8 -> 4, batch 64 -> 1.
-    """
-    # NOTE: untuned (target occupancy, minimum split length and cap are guesses to revisit on the H100/H200).
-    want = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
-    cap = max(1, triton.cdiv(max_context, block_n) // _MIN_TILES_PER_SPLIT)
-    splits = max(1, min(want, cap, _MAX_SPLITS))
-    return 1 << (splits.bit_length() - 1)  # a power of two: the split count is a kernel constant, so few compiles
-
-
 def launch_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, sliding_window: int) -> int:
     """The flash-decoding split count a launch over ``q: (B, H, D)`` and these pages picks (static shapes only)."""
     block_d = max(16, next_pow2(q.shape[-1]))
-    block_n = _tile_config(block_d, q.element_size(), k_cache.element_size())[0]
+    block_n = tile_config(block_d, q.element_size(), k_cache.element_size())[0]
     max_context = block_tables.shape[1] * k_cache.shape[1]
     if sliding_window is not None and sliding_window > 0:
         max_context = min(max_context, sliding_window + block_n)
-    return choose_num_splits(q.shape[0], k_cache.shape[2], max_context, block_n, _num_sms(q.device))
+    return choose_num_splits(q.shape[0], k_cache.shape[2], max_context, block_n, sm_count(q.device))
 
 
 def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -572,7 +328,7 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
 
     block_d = max(16, next_pow2(head_dim))
-    block_n, num_warps, num_stages = _tile_config(block_d, q.element_size(), k_cache.element_size())
+    block_n, num_warps, num_stages = tile_config(block_d, q.element_size(), k_cache.element_size())
     splits = num_splits if num_splits > 0 else launch_splits(q, k_cache, block_tables, sliding_window)
     if splits > 1:
         part = torch.empty((bsz, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -679,8 +435,8 @@ def check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
-    if _num_splits < 0 or _num_splits > _MAX_SPLITS:
-        raise ValueError(f"_num_splits={_num_splits} must be in [0, {_MAX_SPLITS}]")
+    if _num_splits < 0 or _num_splits > MAX_SPLITS:
+        raise ValueError(f"_num_splits={_num_splits} must be in [0, {MAX_SPLITS}]")
     return (-1 if sliding_window is None or sliding_window <= 0 else int(sliding_window),
             0.0 if softcap is None or softcap <= 0 else float(softcap))
 

@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
+from llmplug.ops._paged_decode import choose_num_splits
 from llmplug.ops._triton import cpu_kernels
-from llmplug.ops.decode_attention import choose_num_splits, decode_attention, decode_attention_ref
+from llmplug.ops.decode_attention import decode_attention, decode_attention_ref
 from llmplug.quant.formats import sqnr_db
 from tests.ops.test_kv_quant import KV_DTYPES, quantize_pages
 from tests.tolerances import KV_CACHE_SQNR_DB, assert_close_matmul_like

@@ -24,18 +24,15 @@ def _paged(b, ctx, hkv, d, p, dtype):
 @pytest.mark.parametrize("d,h,hkv,window,softcap", [(128, 32, 8, -1, 0.0), (64, 16, 16, 100, 0.0),
                                                      (256, 8, 4, 300, 50.0), (80, 12, 4, -1, 0.0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("counters", [False, True], ids=["combine-kernel", "last-split-combines"])
-def test_decode_attention_cuda(d, h, hkv, window, softcap, dtype, counters):
+def test_decode_attention_cuda(d, h, hkv, window, softcap, dtype):
     b, p = 5, 16
     lens = torch.tensor([1, 77, 1000, 513, 2049], dtype=torch.int32, device="cuda")
     kc, vc, bt = _paged(b, 2049, hkv, d, p, dtype)
     q = torch.randn(b, h, d, dtype=dtype, device="cuda")
-    split_counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda") if counters else None
-    out = decode_attention(q, kc, vc, bt, lens, d**-0.5, window, softcap, split_counters=split_counters)
+    out = decode_attention(q, kc, vc, bt, lens, d**-0.5, window, softcap)
     ref64 = decode_attention_ref(q.double(), kc.double(), vc.double(), bt, lens, d**-0.5, window, softcap)
     same = decode_attention_ref(q, kc, vc, bt, lens, d**-0.5, window, softcap)
     assert_close_matmul_like(out, ref64, same)
-    assert split_counters is None or not split_counters.any(), "split counters must be left zeros"
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn, torch.int8])

@@ -24,7 +24,7 @@ RUNTIME_ATTR = "_llmplug_runtime"
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                     softcap: float | None = None, stored: bool = False, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, split_counters: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Store ``k, v`` into the pages (unless ``stored``: the caller already did) and attend.
 
     Args:
@@ -32,8 +32,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         k_cache, v_cache: ``(num_blocks, P, Hkv, D)`` this layer's pages (model dtype, or fp8/int8).
         meta: the step's :class:`AttentionMetadata`.
         k_scale, v_scale: ``(num_blocks, Hkv, P)`` fp32 scales of fp8/int8 pages; None otherwise.
-        split_counters: the cache's (``PagedKVCache.split_counters``): the decode rows' split combine then happens
-            in the attention kernel (used when long enough for the decode rows).
 
     Returns:
         ``(T, H, D)`` contiguous.
@@ -44,8 +42,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if not stored:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     if meta.is_decode:
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, **scales,
-                                split_counters=fitting(split_counters, q.shape[0], k_cache.shape[2]))
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, **scales)
     nd = meta.num_decodes
     if nd == 0:
         return prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
@@ -53,18 +50,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     # a mixed step: one-token rows on the decode kernel (one K/V read per head group), the rest on the prefill kernel
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens, scale, window, cap,
-                                **scales, split_counters=fitting(split_counters, nd, k_cache.shape[2]))
+                                **scales)
     if nd < q.shape[0]:
         out[nd:] = prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.block_tables[nd:],
                                      meta.cu_seqlens_q[nd:] - nd, meta.context_lens[nd:], meta.max_seqlen_q, scale,
                                      window, cap, **scales)
     return out
-
-
-def fitting(split_counters: torch.Tensor | None, rows: int, kv_heads: int) -> torch.Tensor | None:
-    """``split_counters`` if it holds one counter for each of ``rows`` sequences x ``kv_heads``, else None (the
-    attention then combines its splits in a second kernel)."""
-    return split_counters if split_counters is not None and split_counters.numel() >= rows * kv_heads else None
 
 
 def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -83,12 +74,14 @@ def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     vs 7,856-7,952 tok/s), so those steps keep them.
     """
     if meta.is_decode and launch_splits(q, k_cache, meta.block_tables, sliding_window) > 1:
+        if split_counters is not None and split_counters.numel() < k.shape[0] * k.shape[1]:
+            split_counters = None
         return rope_decode_attention(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
                                      meta.seq_lens, scale, sliding_window, softcap, k_scale=k_scale, v_scale=v_scale,
-                                     split_counters=fitting(split_counters, k.shape[0], k.shape[1]))
+                                     split_counters=split_counters)
     rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     return paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap, stored=True,
-                           k_scale=k_scale, v_scale=v_scale, split_counters=split_counters)
+                           k_scale=k_scale, v_scale=v_scale)
 
 
 def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -111,7 +104,7 @@ def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     k_cache, v_cache, k_scale, v_scale = runtime.cache.layer(module.layer_idx)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = paged_attention(q, k, v, k_cache, v_cache, runtime.meta, scale, sliding_window, softcap, k_scale=k_scale,
-                          v_scale=v_scale, split_counters=runtime.cache.split_counters)
+                          v_scale=v_scale)
     return out.unsqueeze(0), None
 
 

@@ -376,7 +376,7 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-@llmplug_op("decode_attention", mutates_args=("split_counters",))
+@llmplug_op("decode_attention")
 def _decode_attention_op(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -389,18 +389,17 @@ def _decode_attention_op(
     num_splits: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if not use_triton(q):
         return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
                                     k_scale, v_scale)
     return launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                                   num_splits, k_scale, v_scale, split_counters=split_counters)
+                                   num_splits, k_scale, v_scale)
 
 
 @_decode_attention_op.register_fake
 def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits, k_scale=None,
-      v_scale=None, split_counters=None):
+      v_scale=None):
     return q.new_empty(q.shape)
 
 
@@ -409,8 +408,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, sliding_window: int | None, softcap: float | None,
-                        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, _num_splits: int,
-                        split_counters: torch.Tensor | None = None) -> tuple[int, float]:
+                        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                        _num_splits: int) -> tuple[int, float]:
     """Raise ``ValueError`` naming the bad value unless :func:`decode_attention` can take these inputs; returns the
     window and softcap normalised (``-1`` / ``0.0`` for none)."""
     if q.dim() != 3:
@@ -438,11 +437,6 @@ def check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     if _num_splits < 0 or _num_splits > MAX_SPLITS:
         raise ValueError(f"_num_splits={_num_splits} must be in [0, {MAX_SPLITS}]")
-    rows = bsz * num_kv_heads
-    if split_counters is not None and (split_counters.dtype != torch.int32 or split_counters.dim() != 1
-                                       or split_counters.numel() < rows or split_counters.device != q.device):
-        raise ValueError(f"split_counters must be ({rows},) or longer, int32 on {q.device}; got "
-                         f"{tuple(split_counters.shape)} {split_counters.dtype} on {split_counters.device}")
     return (-1 if sliding_window is None or sliding_window <= 0 else int(sliding_window),
             0.0 if softcap is None or softcap <= 0 else float(softcap))
 
@@ -459,7 +453,6 @@ def decode_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    split_counters: torch.Tensor | None = None,
     _num_splits: int = 0,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache.
@@ -480,19 +473,28 @@ def decode_attention(
             means none.
         k_scale, v_scale: ``(num_blocks, Hkv, P)`` fp32 scales of an fp8/int8 cache (the pages read as
             ``value * scale``, :mod:`llmplug.ops.kv_quant`); None for a cache in ``q.dtype``.
-        split_counters: optional ``(>= B * Hkv,)`` int32 zeros on ``q``'s device, left zeros: with them the last
-            flash-decoding split of each kv head to finish combines the splits itself (no second kernel). One buffer
-            for the launches of one stream; kernels running at once must not share it.
         _num_splits: private override of the flash-decoding split count (tests); 0 picks it from shapes.
 
     Returns:
         ``(B, H, D)`` contiguous in ``q.dtype``.
     """
     sliding_window, softcap = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, softcap,
-                                                  k_scale, v_scale, _num_splits, split_counters)
+                                                  k_scale, v_scale, _num_splits)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
-    return call_op(_decode_attention_op, q, k_cache, v_cache, block_tables, seq_lens, float(scale), sliding_window,
-                   softcap, int(_num_splits), k_scale, v_scale, split_counters)
+    return call_op(
+        _decode_attention_op,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        float(scale),
+        sliding_window,
+        softcap,
+        int(_num_splits),
+        k_scale,
+        v_scale,
+    )

@@ -66,7 +66,9 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
             (negative: not stored, for padding rows).
         seq_lens: ``(B,)`` int32 tokens of each sequence including the new one (0: a padding row, output zeros).
         scale, sliding_window, softcap: as :func:`~llmplug.ops.decode_attention.decode_attention`.
-        split_counters: as :func:`~llmplug.ops.decode_attention.decode_attention`.
+        split_counters: optional ``(>= B * Hkv,)`` int32 zeros on ``q``'s device, left zeros: with them the last
+            flash-decoding split of each kv head to finish combines the splits itself (no second kernel). One buffer
+            for the launches of one stream; kernels running at once must not share it.
         _num_splits: private override of the flash-decoding split count (tests); 0 picks it from shapes.
 
     Returns:
@@ -75,13 +77,18 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     check_store_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     check_rope_inputs(q, k, cos, sin)
     sliding_window, softcap = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, softcap,
-                                                  k_scale, v_scale, _num_splits, split_counters)
+                                                  k_scale, v_scale, _num_splits)
     if any(x.stride(-1) != 1 for x in (k, v, cos, sin)):
         raise ValueError("k, v, cos and sin need a unit stride on their last dim")
     if k.stride(1) != k.shape[2] or v.stride(1) != v.shape[2]:
         raise ValueError(f"k and v need their (Hkv, D) rows contiguous, got strides {k.stride()} and {v.stride()}")
     if cos.stride() != sin.stride():
         raise ValueError(f"cos and sin need one layout, got strides {cos.stride()} and {sin.stride()}")
+    if split_counters is not None and (split_counters.dtype != torch.int32 or split_counters.dim() != 1
+                                       or split_counters.numel() < k.shape[0] * k.shape[1]
+                                       or split_counters.device != q.device):
+        raise ValueError(f"split_counters must be ({k.shape[0] * k.shape[1]},) or longer, int32 on {q.device}; got "
+                         f"{tuple(split_counters.shape)} {split_counters.dtype} on {split_counters.device}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if block_tables.stride(-1) != 1:

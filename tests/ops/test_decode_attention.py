@@ -40,14 +40,9 @@ def _paged(lens, num_heads, num_kv_heads, head_dim, page, dtype, window=-1, pois
     return q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32)
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, window=-1, softcap=0.0, splits=0, counters=False):
-    """The kernel against the fp64 and same-dtype references; with ``counters`` the last split of each kv head
-    combines (and the counters must be left zeros)."""
+def _check(q, k_cache, v_cache, block_tables, seq_lens, window=-1, softcap=0.0, splits=0):
     scale = q.shape[-1] ** -0.5
-    split_counters = torch.zeros(q.shape[0] * k_cache.shape[2] + 5, dtype=torch.int32) if counters else None
-    out = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
-                           split_counters=split_counters, _num_splits=splits)
-    assert split_counters is None or not split_counters.any(), "split counters must be left zeros"
+    out = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, _num_splits=splits)
     ref64 = decode_attention_ref(
         q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens, scale, window, softcap
     )
@@ -77,17 +72,6 @@ def test_matches_reference(case):
     lens, num_heads, num_kv_heads, head_dim, page, dtype, window, softcap, splits = CASES[case]
     inputs = _paged(lens, num_heads, num_kv_heads, head_dim, page, dtype, window)
     _check(*inputs, window=window, softcap=softcap, splits=splits)
-
-
-@pytest.mark.parametrize("case", ["gqa4-bf16-splits", "mqa8-d80-p8-padding", "window-softcap-fp32",
-                                  "gqa8-softcap-fp32-d256"])
-def test_last_split_combines(case):
-    """With split counters the split of each kv head that finishes last combines the partials (no second kernel):
-    same results, counters left zeros, twice in a row on the same counters."""
-    lens, num_heads, num_kv_heads, head_dim, page, dtype, window, softcap, splits = CASES[case]
-    inputs = _paged(lens, num_heads, num_kv_heads, head_dim, page, dtype, window)
-    _check(*inputs, window=window, softcap=softcap, splits=splits, counters=True)
-    _check(*inputs, window=window, softcap=softcap, splits=splits, counters=True)
 
 
 def test_strided_q_and_changing_seq_lens():
@@ -175,17 +159,12 @@ def test_bad_inputs():
         decode_attention(q, k_cache, v_cache, block_tables, seq_lens.long(), 0.125)
     with pytest.raises(ValueError, match="block_tables must be"):
         decode_attention(q, k_cache, v_cache, block_tables[:1], seq_lens, 0.125)
-    for counters in (torch.zeros(3, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)):
-        with pytest.raises(ValueError, match=r"split_counters must be \(4,\) or longer"):
-            decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, split_counters=counters)
 
 
 def test_opcheck():
     q, k_cache, v_cache, block_tables, seq_lens = _paged([3, 20], 4, 2, 64, 16, torch.float32, poison=False)
     args = (q, k_cache, v_cache, block_tables, seq_lens, 0.125, -1, 0.0, 2)
     torch.library.opcheck(torch.ops.llmplug.decode_attention.default, args)
-    counters = torch.zeros(4, dtype=torch.int32)
-    torch.library.opcheck(torch.ops.llmplug.decode_attention.default, args + (None, None, counters))
 
 
 def test_compiles():

@@ -39,12 +39,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     window = -1 if sliding_window is None else int(sliding_window)
     cap = 0.0 if softcap is None else float(softcap)
     scales = {"k_scale": k_scale, "v_scale": v_scale}
-    # NOTE: here the splits are combined by the second kernel. H100, 2026-11-22, 8B bf16 decode graph replay with
-    # every layer on this path (fuse=False): 8.215-8.217 ms, against 8.229-8.230 with the last split combining
-    # through the cache's counters (benchmarks/results/..._hf_path_split_counters_de76ea3.json); only the fused
-    # kernel, which reads its first tile before the PDL wait, gained from that (rope_paged_attention).
     if not stored:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    # NOTE: the decode kernel's splits are combined by its second kernel. H100, 2026-11-22, 8B bf16 decode graph
+    # replay with every layer on this path (fuse=False): 8.215-8.217 ms, against 8.229-8.230 with the last split
+    # combining through the cache's counters (benchmarks/results/..._hf_path_split_counters_de76ea3.json); only the
+    # fused kernel, which reads its first tile before the PDL wait, gained from that (rope_paged_attention).
     if meta.is_decode:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, **scales)
     nd = meta.num_decodes

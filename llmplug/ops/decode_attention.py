@@ -14,7 +14,7 @@ Kernel design:
   the kernel writes the output directly; otherwise each split writes an fp32 partial output plus its log-sum-exp and a
   small second kernel combines them. A split past the sequence's last tile returns at once, writing nothing (split 0
   always writes, ``lse = -inf`` when the sequence has no keys); the combine recomputes from ``seq_lens`` how many
-  splits hold tiles and reads only those (:func:`tile_split`).
+  splits hold tiles and reads only those (:func:`~llmplug.ops._paged_decode.tile_split`).
 * Inner loop: per tile, load the block ids of its tokens, gather ``BLOCK_N`` K rows (``D`` contiguous elements, stride
   ``Hkv * D`` between tokens of a page: 16-byte loads), ``q @ k^T`` in fp32, online softmax in base 2 (``log2(e)``
   folded into the scale), then ``p @ v``.
@@ -25,7 +25,8 @@ Kernel design:
   copy of the cache is made.
 * The same kernel serves :func:`~llmplug.ops.rope_decode_attention.rope_decode_attention` (``NEW_TOKEN``): RoPE and
   the new key's store happen inside, the new key is folded in from registers, and with ``split_counters`` the split
-  of each kv head that finishes last does the combine (:func:`combine_splits`) instead of the second kernel.
+  of each kv head that finishes last does the combine (:func:`~llmplug.ops._paged_decode.combine_splits`)
+  instead of the second kernel.
 """
 
 from __future__ import annotations

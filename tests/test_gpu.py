@@ -7,6 +7,9 @@ import torch
 import llmplug
 from llmplug.ops.decode_attention import decode_attention, decode_attention_ref
 from llmplug.ops.prefill_attention import prefill_attention, prefill_attention_ref
+from llmplug.ops.rope_decode_attention import rope_decode_attention, rope_decode_attention_ref
+from llmplug.ops.rope_store_kv import apply_rope_ref
+from tests.ops.test_kv_quant import bits, quantize_pages
 from tests.tiny_models import FUSED, GENERIC, make_model, pad, prompts
 from tests.tolerances import assert_close_matmul_like
 
@@ -43,9 +46,6 @@ def test_rope_decode_attention_cuda(d, h, hkv, window, softcap, rotary, dtype, k
     """The fused decode step (RoPE, store, attention; the last split combining where counters are given) against
     RoPE + store then attention, at real sizes: the output within the attention tolerance, the stored rows bit for bit
     (unquantized: RoPE rounded as HF rounds)."""
-    from llmplug.ops.rope_decode_attention import rope_decode_attention, rope_decode_attention_ref
-    from tests.ops.test_kv_quant import bits, quantize_pages
-
     b, p = 5, 16
     lens = torch.tensor([1, 77, 1000, 513, 2049], dtype=torch.int32, device="cuda")
     kc, vc, bt = _paged(b, 2049, hkv, d, p, dtype)
@@ -67,12 +67,9 @@ def test_rope_decode_attention_cuda(d, h, hkv, window, softcap, rotary, dtype, k
     out = rope_decode_attention(q, k, v, cos, sin, *caches[:2], slots, *args, **scales, split_counters=counters)
     assert counters is None or not counters.any()
     same = rope_decode_attention_ref(q, k, v, cos, sin, *ref_caches[:2], slots, *args, **ref_scales)
-    from llmplug.ops.decode_attention import decode_attention_ref as attend
-    from llmplug.ops.rope_store_kv import apply_rope_ref
-
     q_rot = apply_rope_ref(q, k, cos, sin)[0]
     pages64 = ref_caches[:2] if kv_dtype is not None else [c.double() for c in ref_caches[:2]]
-    ref64 = attend(q_rot.double(), *pages64, *args, **ref_scales)
+    ref64 = decode_attention_ref(q_rot.double(), *pages64, *args, **ref_scales)
     assert_close_matmul_like(out, ref64, same)
     for got, want in zip(caches, ref_caches, strict=True):
         if kv_dtype is None:

@@ -5,10 +5,8 @@ After ``llmplug.optimize(model)``, ``model.generate_batch``, ``model.init_contin
 dropped by ``unoptimize``) and hand back HF's own ``GenerationOutput``. ``model.generate(...,
 cache_implementation="paged")`` reaches them through stock HF generate, as it does without llmplug.
 
-The :class:`GenerationConfig` maps to :class:`SamplingParams` with HF's continuous-batching reading of it: the config's
-own values (no global defaults merged in), ``do_sample`` unset is greedy, ``eos_token_id`` unset disables eos and no
-``max_new_tokens`` / ``max_length`` means no limit but the model's length and the KV pool. Options the engine cannot
-apply raise; ``num_beams > 1`` warns and is ignored, as HF does.
+The :class:`GenerationConfig` maps to :class:`SamplingParams` as HF's continuous batching reads it (``hf_config``):
+no ``max_new_tokens`` / ``max_length`` means no limit but the model's length and the KV pool.
 """
 
 from __future__ import annotations
@@ -33,22 +31,13 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from ..patches.undo import UndoLog
 from .engine import Engine
+from .hf_config import REQUEST_KEYS, eos_ids, sampling_fields
 from .params import SamplingParams
 from .request import RequestOutput, StreamDelta
 
 __all__ = ["ContinuousBatchingManager", "engine_of", "install"]
 
 ENGINE_ATTR = "_llmplug_engine"
-# GenerationConfig options the engine does not apply, with the values that leave generation unchanged.
-_UNSUPPORTED = {
-    "stop_strings": (), "max_time": (), "typical_p": (1.0,), "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,),
-    "top_h": (), "penalty_alpha": (0.0,), "dola_layers": (), "no_repeat_ngram_size": (0,), "bad_words_ids": (),
-    "suppress_tokens": (), "begin_suppress_tokens": (), "forced_bos_token_id": (), "forced_eos_token_id": (),
-    "sequence_bias": (), "exponential_decay_length_penalty": (), "renormalize_logits": (False,),
-    "watermarking_config": (), "guidance_scale": (1.0,), "num_beam_groups": (1,), "diversity_penalty": (0.0,),
-}
-# add_request(**kwargs) that may override the generation config for one request
-_REQUEST_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 _HARD_STOP_ERROR = "Generation loop finished before this request completed (hard stop)"
 
 _lock = threading.Lock()  # engine creation and the loop's user counts
@@ -101,40 +90,6 @@ def _release_loop(engine: Engine) -> None:
             engine.stop()
 
 
-# ---- GenerationConfig -> SamplingParams ------------------------------------------------------------------------------
-def _is_neutral(value, neutral: tuple) -> bool:
-    if value is None or (isinstance(value, (list, tuple, dict)) and not value):
-        return True
-    return any(value == v for v in neutral)
-
-
-def _sampling_fields(config: GenerationConfig) -> dict:
-    """The :class:`SamplingParams` fields ``config`` fixes for every request (validated now)."""
-    bad = [f"{name}={getattr(config, name)!r}" for name, neutral in _UNSUPPORTED.items()
-           if not _is_neutral(getattr(config, name, None), neutral)]
-    if bad:
-        raise ValueError(f"llmplug's continuous batching does not support {', '.join(bad)}; unset them. Supported: "
-                         "do_sample, temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, max_length, "
-                         "min_new_tokens, min_length, eos_token_id, num_return_sequences")
-    if (config.num_beams or 1) > 1:
-        warnings.warn(f"num_beams={config.num_beams} is not supported by continuous batching (nor by HF's); "
-                      "generating without beam search", stacklevel=3)
-    fields = dict(do_sample=bool(config.do_sample), n=int(config.num_return_sequences or 1),
-                  repetition_penalty=1.0 if config.repetition_penalty is None else float(config.repetition_penalty))
-    if fields["do_sample"]:  # HF applies a warper only where the config sets it
-        fields.update(temperature=1.0 if config.temperature is None else float(config.temperature),
-                      top_k=int(config.top_k or 0), top_p=1.0 if config.top_p is None else float(config.top_p),
-                      min_p=float(config.min_p or 0.0))
-    SamplingParams(max_new_tokens=1, **fields)
-    return fields
-
-
-def _eos_ids(eos) -> tuple[int, ...]:
-    """HF's eos ids as stop ids: None or negative ids disable eos."""
-    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return tuple(int(t) for t in ids if int(t) >= 0)
-
-
 # ---- the manager -----------------------------------------------------------------------------------------------------
 @dataclass
 class _Track:
@@ -167,7 +122,7 @@ class ContinuousBatchingManager:
         self.generation_config = generation_config
         self.num_return_sequences = int(generation_config.num_return_sequences or 1)
         self.warmed_up = False
-        self._fields = _sampling_fields(generation_config)
+        self._fields = sampling_fields(generation_config)
         self._engine = engine_of(model)
         self._prefix = f"hf{next(_managers)}/"  # engine ids of this manager's requests
         self._cond = threading.Condition()
@@ -268,9 +223,9 @@ class ContinuousBatchingManager:
         if not self._accepting:
             warnings.warn(f"the manager is stopping: request {request_id} dropped", stacklevel=2)
             return None
-        unknown = sorted(set(logit_processor_kwargs) - set(_REQUEST_KEYS))
+        unknown = sorted(set(logit_processor_kwargs) - set(REQUEST_KEYS))
         if unknown:
-            raise ValueError(f"unknown logit_processor_kwargs {unknown}; allowed: {list(_REQUEST_KEYS)}")
+            raise ValueError(f"unknown logit_processor_kwargs {unknown}; allowed: {list(REQUEST_KEYS)}")
         if request_id is None:
             with self._cond:
                 request_id, self._counter = f"req_{self._counter}", self._counter + 1
@@ -314,7 +269,7 @@ class ContinuousBatchingManager:
         min_new = max(config.min_new_tokens or 0, (config.min_length or 0) - prompt_len)
         fields = {**self._fields, **overrides}
         return SamplingParams(max_new_tokens=max_new_tokens, min_new_tokens=min(min_new, max_new_tokens),
-                              stop_token_ids=_eos_ids(eos), ignore_eos=True, **fields)
+                              stop_token_ids=eos_ids(eos), ignore_eos=True, **fields)
 
     def cancel_request(self, request_id: str) -> None:
         """Stop a request; it produces no output (as in HF). Unknown or finished ids are ignored."""

@@ -112,6 +112,18 @@ if triton is not None:
             u = u >> (8 * B - 8)
         return ((u & 0xFF00) | magic).to(tl.float32, bitcast=True)
 
+    E4M3_BITS = tl.constexpr(0x07F00000)  # where an e4m3 byte's exponent and mantissa go in float32's bits
+    E4M3_UNSCALE = tl.constexpr(2.0**120)  # e4m3 bits placed that way read as the value / 2^120 (bias 7, not 127)
+
+    @triton.jit
+    def e4m3_f32(w, B: tl.constexpr):
+        """The float8 e4m3 value in byte ``B`` of each int32 word, times ``2^-120``, exactly, as float32: its sign moved
+        to bit 31, its exponent and mantissa to bits 20-26 (two shifts and one LOP3; byte 3 one shift). Subnormal
+        e4m3 values become subnormal float32 ones, which the FMAs keep (no flush to zero in these kernels)."""
+        if B == 3:
+            return ((w & -0x80000000) | ((w >> 4) & E4M3_BITS)).to(tl.float32, bitcast=True)
+        return (((w << (24 - 8 * B)) & -0x80000000) | ((w << (20 - 8 * B)) & E4M3_BITS)).to(tl.float32, bitcast=True)
+
     @triton.jit
     def _word_activations(x_ptrs, k, k_mask, EVEN: tl.constexpr, X64: tl.constexpr):
         """fp32 ``x[4(k + t) + b]`` for ``b = 0..3``, each broadcastable against the ``(BLOCK_N, BLOCK_W)`` words:
@@ -141,12 +153,13 @@ if triton is not None:
                               res_ptr, nw_ptr, res_out_ptr, part_ptr, n_parts, eps, norm_offset,
                               HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_W: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr, X64: tl.constexpr,
-                              NORM: tl.constexpr, BLOCK_P: tl.constexpr, P_CHUNKS: tl.constexpr,
+                              FP8: tl.constexpr, NORM: tl.constexpr, BLOCK_P: tl.constexpr, P_CHUNKS: tl.constexpr,
                               INTERPRETED: tl.constexpr, PDL: tl.constexpr):
-        # int8 weights read as int32 words (KW = K // 4; byte b of word t is element 4t + b). XOR-ing 0x80 into each
-        # byte gives u = q + 128 in [0, 255]; byte_f32 turns each into offset + u with one instruction, and each
-        # word's four products chain onto -(offset + 128) * (its four x summed): y = sum(q * x) * scale, about 4 SASS
-        # instructions a weight byte against 7 with a shift and a mask a byte (sm_90 build; the GEMV stays bound by
+        # 8-bit weights read as int32 words (KW = K // 4; byte b of word t is element 4t + b). FP8: e4m3_f32 decodes
+        # each byte (its value / 2^120, undone on the row scale) and a word's four products chain. int8: XOR-ing 0x80
+        # into each byte gives u = q + 128 in [0, 255]; byte_f32 turns each into offset + u with one instruction, and
+        # each word's four products chain onto -(offset + 128) * (its four x summed): y = sum(q * x) * scale, about 4
+        # SASS instructions a weight byte against 7 with a shift and a mask a byte (sm_90 build; the GEMV stays bound by
         # loads in flight, see BENCHMARKS.md). Each step's weight tile is loaded a step ahead, the first one before
         # the programmatic-launch wait (no kernel writes weights), so it is in flight while the previous kernel ends
         # (8B int8 decode replay 3.245 -> 3.188 ms). EVEN: KW divides by BLOCK_W (unmasked activation loads).
@@ -169,16 +182,23 @@ if triton is not None:
         wait_inputs(PDL)
         for k in range(0, KW, BLOCK_W):
             k_mask = (k + t) < KW  # unused when EVEN
-            u = u_next ^ SIGN_BITS
+            w = u_next
             u_next = tl.load(q_ptrs + k + BLOCK_W, mask=row_mask[:, None] & (k + BLOCK_W + t < KW)[None, :], other=0)
             x0, x1, x2, x3 = _word_activations(x_ptrs, k, k_mask, EVEN, X64)
-            # the offset comes off word by word, before the products add up across words (little cancellation)
-            part = ((x0 + x1) + (x2 + x3)) * offset
-            part = tl.fma(byte_f32(u, magic, 0, ASM, PRECISE), x0, part)
-            part = tl.fma(byte_f32(u, magic, 1, ASM, PRECISE), x1, part)
-            part = tl.fma(byte_f32(u, magic, 2, ASM, PRECISE), x2, part)
-            acc += tl.fma(byte_f32(u, magic, 3, ASM, PRECISE), x3, part)
-        y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
+            if FP8:
+                part = tl.fma(e4m3_f32(w, 1), x1, e4m3_f32(w, 0) * x0)
+                part = tl.fma(e4m3_f32(w, 2), x2, part)
+                acc += tl.fma(e4m3_f32(w, 3), x3, part)
+            else:
+                u = w ^ SIGN_BITS
+                # the offset comes off word by word, before the products add up across words (little cancellation)
+                part = ((x0 + x1) + (x2 + x3)) * offset
+                part = tl.fma(byte_f32(u, magic, 0, ASM, PRECISE), x0, part)
+                part = tl.fma(byte_f32(u, magic, 1, ASM, PRECISE), x1, part)
+                part = tl.fma(byte_f32(u, magic, 2, ASM, PRECISE), x2, part)
+                acc += tl.fma(byte_f32(u, magic, 3, ASM, PRECISE), x3, part)
+        scale = tl.load(s_ptr + rows, mask=row_mask, other=0.0)
+        y = tl.sum(acc, axis=1) * (scale * E4M3_UNSCALE if FP8 else scale)
         gemv_epilogue(out_ptr + m * stride_om, y, pid, rows, row_mask, N, 4 * KW, b_ptr, res_ptr, res_out_ptr, nw_ptr,
                       part_ptr, n_parts, eps, norm_offset, HAS_BIAS, GATED, BLOCK_N, NORM, BLOCK_P, P_CHUNKS,
                       INTERPRETED)
@@ -237,8 +257,8 @@ DENSE_MIN_TOKENS = 512
 
 
 def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the GEMV kernel
-    (int8: the word GEMV; ``fp8``: the byte GEMV, whose tiles were tuned apart), ``SPLIT_K == 0`` lets
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the word GEMV
+    (``fp8`` keeps tiles of its own), ``SPLIT_K == 0`` lets
     :func:`~llmplug.ops._qmm.choose_split_k` decide.
 
     NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
@@ -250,7 +270,9 @@ def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, 
     tiles load a step ahead, o / down run on 4 warps (8B int8 decode replay 3.186 -> 3.176 ms); timed in that
     replay, none of 20 other tiles across the four projections was faster. fp8 byte GEMV, 8 x 512 wider than deep,
     else 4 x 1024: 11.4 / 9.8 / 42.8 / 27.8 [20.4 / 15.6 / 81.3 / 51.1] (with the int8 tiles fp8 batch 1 measured
-    258.7 tok/s against 262.7 with these, in separate runs: kept). 4-16 tokens (16,
+    258.7 tok/s against 262.7 with these, in separate runs: kept). Since fp8 takes the word GEMV (e4m3 decoded
+    with shifts and masks; 8B fp8 decode replay 3.518 -> 3.285 ms, same process, alternated twice, H100, 2026-11-26)
+    these tiles still measured best: 3.285 against 3.290 ms with the int8 ones. 4-16 tokens (16,
     32, 256, 4, 4, split-K by heuristic): 16.3 / 12.4 / 53.3 / 31.0. 64 tokens (64, 128, 128, 4, 3): about cuBLAS
     bf16 (23.1 / 18.0 / 82.3 / 46.4 [20.6 / 14.8 / 86.9 / 46.3]). From 256 tokens on, these GEMMs reach 240-500
     TFLOP/s against cuBLAS bf16's 550-800: prefill is slower than bf16.
@@ -271,7 +293,7 @@ def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, 
 def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, gated: str,
                  block_n: int, block_k: int, num_warps: int, num_stages: int, out: torch.Tensor,
                  norm: tuple | None = None) -> torch.Tensor:
-    """The one-token GEMVs into ``out`` (int8 with K divisible by 4: the word GEMV; else the byte GEMV); ``norm`` as
+    """The one-token GEMVs into ``out`` (K divisible by 4: the word GEMV; else the byte GEMV); ``norm`` as
     :func:`~llmplug.ops._qmm.norm_launch_args`. A gated GEMV's program holds gate rows and their up rows."""
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.dtype == torch.float32, "w8_linear layout"
     n, k = qweight.shape
@@ -280,13 +302,13 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, b
     common = dict(HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, INTERPRETED=INTERPRET, num_warps=num_warps,
                   num_stages=num_stages, **norm_launch_args(norm, grid[1]), **pdl_options(x))
     b = bias if bias is not None else scales
-    if qweight.dtype == torch.int8 and k % 4 == 0:
+    if k % 4 == 0:
         words = qweight.view(torch.int32)
         block_w = min(block_k // 4, next_pow2(k // 4))
         maybe_wrap(_w8_gemv_words_kernel)[grid](
             x, words, scales, b, out, n, k // 4, x.stride(0), words.stride(0), out.stride(0), BYTE_MAGIC,
             BLOCK_W=block_w, EVEN=k // 4 % block_w == 0, ASM=not INTERPRET, X64=reads_bf16_quads(x),
-            **common)
+            FP8=qweight.dtype == torch.float8_e4m3fn, **common)
     else:
         maybe_wrap(_w8_gemv_kernel)[grid](
             x, qweight, scales, b, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),

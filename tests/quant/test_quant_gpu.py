@@ -32,6 +32,20 @@ def test_gated_gemvs_equal_product_then_act_and_mul(n, k, activation):
         assert torch.equal(w4_linear(x, *q4, 128, gated=activation), act_and_mul(w4_linear(x, *q4, 128), activation))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8_gemv_decodes_every_e4m3_value_exactly(dtype):
+    """Compiled, the one-token fp8 GEMV keeps every finite e4m3 value exact, subnormals included (no flush to zero),
+    in every byte position of a word; bf16 activations take the int64 reads."""
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    codes = codes[(codes & 0x7F) != 0x7F]
+    q = codes[:, None].repeat(1, 4096).view(torch.float8_e4m3fn)
+    s = torch.rand(codes.numel(), device="cuda") + 0.5
+    for i in (0, 1, 2, 3, 2049, 4095):
+        x = torch.zeros(1, 4096, device="cuda", dtype=dtype)
+        x[0, i] = 1.0
+        assert torch.equal(w8_linear(x, q, s)[0], (q[:, i].float() * s).to(dtype)), i
+
+
 @pytest.mark.parametrize("m", [1, 3, 16, 64, 300, DENSE_MIN_TOKENS + 5, W8_DENSE_MIN_TOKENS + 3])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 def test_kernels_at_8b_shapes(m, n, k):

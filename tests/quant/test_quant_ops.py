@@ -123,6 +123,20 @@ def test_w8_gated(n, k, method, activation, m):
         w8_linear(x, q[1:], s[1:], gated=activation)
 
 
+@pytest.mark.parametrize("k", [8, 12])  # whole steps of words, or not
+def test_w8_gemv_decodes_every_e4m3_value_exactly(k):
+    """The one-token fp8 GEMV decodes each byte with shifts and masks: every finite e4m3 value (zeros, subnormals,
+    +-448), in every byte position of a word, comes out exact through one-hot activations."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # every code but the two NaNs: one a row
+    q = codes[:, None].repeat(1, k).view(torch.float8_e4m3fn)
+    s = torch.rand(codes.numel()) + 0.5
+    for i in range(k):
+        x = torch.zeros(1, k)
+        x[0, i] = 1.0
+        assert torch.equal(w8_linear(x, q, s)[0], q[:, i].float() * s), i
+
+
 def test_weight_sqnr_on_llama_like_shapes():
     """The issue's bars on random Gaussian weights of an 8B-like width: int8 >= 35 dB, int4 g128 >= 18 dB."""
     w = torch.randn(256, 4096) * 0.02

@@ -10,9 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import llmplug
+
+from ..loading import load_causal_lm
 
 MODEL_NAME = "llmplug-stdlib-small"
 PROMPTS = ("def fibonacci(n):", "import os\n\n\nclass ", "def read_lines(path):\n    with open(")
@@ -49,7 +51,7 @@ def run(path: str | Path, device: str, dtype: torch.dtype, *, new_tokens: int = 
     ``path``, decoded; ``identical`` says whether every token agreed, ``first_difference`` (per prompt) the index of
     the first new token that did not. The model is unoptimized again at the end."""
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device).eval()
+    model = load_causal_lm(path, device, dtype=dtype)
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     enc = tok(list(prompts), return_tensors="pt", padding=True).to(device)

@@ -7,6 +7,8 @@ import os
 import torch
 import transformers as tf
 
+from ..loading import load_causal_lm
+
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -29,7 +31,7 @@ SHAPES = {
 def build(name: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     """A model of a named shape with random weights, or ``from_pretrained`` of a local directory."""
     if os.path.isdir(name):
-        model = tf.AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=device)
+        model = load_causal_lm(name, device, dtype=dtype)
     elif name in SHAPES:
         with torch.device(device):
             model = tf.AutoModelForCausalLM.from_config(SHAPES[name](), dtype=dtype)

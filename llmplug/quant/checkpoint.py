@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
+from ..loading import load_causal_lm
 from .hf_quantizer import QUANT_METHOD, LlmplugQuantConfig, permuted_modules, quantized_state_dict
 from .quantize import QUANT_ATTR
 
@@ -90,6 +91,5 @@ def from_quantized(path: str | os.PathLike, device: str | torch.device | None = 
     if quant_method != QUANT_METHOD:
         raise ValueError(f"{path!r} is not an llmplug checkpoint: its quantization_config quant_method is "
                          f"{quant_method!r}, expected {QUANT_METHOD!r}")
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype or "auto", device_map=device,
-                                                 use_safetensors=True, trust_remote_code=False)
-    return model.eval()
+    return load_causal_lm(path, device, config=config, dtype=dtype or "auto", use_safetensors=True,
+                          trust_remote_code=False)

@@ -27,7 +27,7 @@ def load(name: str | None, device: str,
         tok = tf.AutoTokenizer.from_pretrained(name, padding_side="left")
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
-        return tf.AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=device).eval(), tok
+        return tf.AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval(), tok
     torch.manual_seed(0)  # the same random weights on every run
     config = tf.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)

@@ -34,7 +34,7 @@ def main() -> None:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     if args.model is not None:
         tok = tf.AutoTokenizer.from_pretrained(args.model, padding_side="left")
-        model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, device_map=device).eval()
+        model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
         inputs = tok(["Once upon a time"], return_tensors="pt").to(device)
     else:
         tok, config = None, tf.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -35,7 +35,7 @@ def load(name: str | None, device: str, dtype: torch.dtype) -> tuple[torch.nn.Mo
     """A local model and its tokenizer, or a tiny random-weight Llama sized to the in-memory tokenizer."""
     if name is not None:
         tok = tf.AutoTokenizer.from_pretrained(name, padding_side="left")
-        return tf.AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=device).eval(), tok
+        return tf.AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval(), tok
     torch.manual_seed(0)  # the same random weights on every run
     tok = char_tokenizer()
     config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,

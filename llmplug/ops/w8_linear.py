@@ -178,12 +178,12 @@ if triton is not None:
         PRECISE: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
         offset = -384.0 if PRECISE else -32896.0
         acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-        u_next = tl.load(q_ptrs, mask=row_mask[:, None] & (t < KW)[None, :], other=0)  # weights: before the wait
+        w_next = tl.load(q_ptrs, mask=row_mask[:, None] & (t < KW)[None, :], other=0)  # weights: before the wait
         wait_inputs(PDL)
         for k in range(0, KW, BLOCK_W):
             k_mask = (k + t) < KW  # unused when EVEN
-            w = u_next
-            u_next = tl.load(q_ptrs + k + BLOCK_W, mask=row_mask[:, None] & (k + BLOCK_W + t < KW)[None, :], other=0)
+            w = w_next
+            w_next = tl.load(q_ptrs + k + BLOCK_W, mask=row_mask[:, None] & (k + BLOCK_W + t < KW)[None, :], other=0)
             x0, x1, x2, x3 = _word_activations(x_ptrs, k, k_mask, EVEN, X64)
             if FP8:
                 part = tl.fma(e4m3_f32(w, 1), x1, e4m3_f32(w, 0) * x0)
@@ -258,8 +258,7 @@ DENSE_MIN_TOKENS = 512
 
 def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the word GEMV
-    (``fp8`` keeps tiles of its own), ``SPLIT_K == 0`` lets
-    :func:`~llmplug.ops._qmm.choose_split_k` decide.
+    (``fp8`` keeps tiles of its own), ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
 
     NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
     bf16 in brackets; history in BENCHMARKS.md). One token, int8 word GEMV with one prmt a byte and the activations

@@ -25,6 +25,8 @@ from transformers import (
 from transformers.generation import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .hf_cache import CACHE_FIELD, fill_hf_cache
+from .late_stops import LateStops, host_criteria
 from .runner import MAX_EOS, ModelRunner
 from .sequences import SequenceBatch
 
@@ -54,8 +56,8 @@ def _move_stop_strings(config, kwargs: dict) -> None:
 
 
 def _fallback_reason(model, config, kwargs: dict) -> str | None:
-    """Why this call must run on stock HF generate, or None."""
-    for name in ("assistant_model", "past_key_values", "inputs_embeds", "custom_generate", "synced_gpus",
+    """Why this call must run on stock HF generate, or None (the reasons known before HF prepares the inputs)."""
+    for name in ("assistant_model", "past_key_values", "cache", "inputs_embeds", "custom_generate", "synced_gpus",
                  "negative_prompt_ids", "position_ids", "cache_position"):
         if kwargs.get(name) is not None:
             return name
@@ -70,11 +72,41 @@ def _fallback_reason(model, config, kwargs: dict) -> str | None:
     for flag in ("output_attentions", "output_hidden_states"):
         if getattr(config, flag, False):
             return flag
-    if config.cache_implementation == "paged":
-        return "cache_implementation='paged'"
+    if config.cache_implementation not in (None, "dynamic"):  # stock builds that cache (and compiles a static one)
+        return f"cache_implementation={config.cache_implementation!r}"
     if getattr(config, "guidance_scale", None) not in (None, 1.0):
         return "guidance_scale"
+    runner: ModelRunner = model._llmplug_runner
+    kind = runner.device.type
+    if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) != runner.dtype:
+        return f"torch.autocast(dtype={torch.get_autocast_dtype(kind)}) over a {runner.dtype} model"
     return None
+
+
+def _loop_fallback_reason(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_length: int,
+                          runner: ModelRunner) -> str | None:
+    """Why the prepared call must run HF's own loop, or None: inputs llmplug would answer differently from stock.
+
+    ``input_ids, attention_mask: (B, L)`` as HF prepared them (the mask is None when nothing is padded).
+    """
+    if attention_mask is not None:
+        real = attention_mask.bool()
+        if not real.any(dim=1).all():
+            return "a row whose attention_mask is all zeros"
+        if not real[:, -1].all():  # stock predicts from the last position, a pad token there
+            return "right-padded inputs (stock HF predicts from the pad position; pad on the left)"
+    if max_length > runner.max_model_len:
+        source = "configured" if runner.config.max_model_len else "the model's max_position_embeddings"
+        return (f"max_length={max_length} beyond max_model_len={runner.max_model_len} ({source}; raise it with "
+                "llmplug.optimize(model, max_model_len=...))")
+    return None
+
+
+def _warn_once(reason: str, key: str | None = None) -> None:
+    key = key or reason
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"llmplug does not support {reason} yet; running stock transformers generate", stacklevel=3)
 
 
 # logits warpers that ignore input_ids and the step (so a CUDA graph can bake them in)
@@ -100,16 +132,15 @@ def _rewind_rng(before: torch.Tensor, ran: int, kept: int, device) -> None:
 
 
 def _graph_stopping(stopping_criteria, max_length: int) -> tuple[torch.Tensor, int] | None:
-    """``(eos ids, length limit)`` when the criteria are only HF's max-length and end-of-sequence ones (which the
-    greedy graph evaluates on the device), else None."""
+    """``(eos ids, length limit)`` for the graph loop (the device stops rows on eos ids; every other criterion runs on
+    the host a ring of steps late, :class:`~llmplug.engine.late_stops.LateStops`), or None where there are more eos
+    ids than the device checks."""
     eos, limit = [], max_length
     for c in stopping_criteria:
         if isinstance(c, MaxLengthCriteria):
             limit = min(limit, c.max_length)
         elif isinstance(c, EosTokenCriteria):
             eos.append(c.eos_token_id.reshape(-1))
-        else:
-            return None
     ids = torch.cat(eos) if eos else torch.empty(0, dtype=torch.long)
     return (ids, limit) if ids.numel() <= MAX_EOS else None
 
@@ -123,11 +154,12 @@ def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
     config = _merged_config(model, generation_config, kwargs)
     reason = _fallback_reason(model, config, kwargs)
     if reason is not None:
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(f"llmplug does not support {reason} yet; running stock transformers generate",
-                          stacklevel=2)
+        _warn_once(reason)
         return type(model).generate(model, generation_config=generation_config, **kwargs)
+    if config.compile_config is not None and "compile_config" not in _warned:  # stock skips it too, with a warning
+        _warned.add("compile_config")
+        warnings.warn("compile_config has no effect without cache_implementation='static' (stock transformers skips "
+                      "compilation too); llmplug decodes with its own CUDA graphs", stacklevel=2)
     if config.stop_strings is not None:
         _move_stop_strings(config, kwargs)
     # HF hands a custom loop only the arguments its signature adds to ``_sample``'s, so the streamer is bound here
@@ -142,6 +174,13 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
     """Mirror of HF's ``_sample`` loop over llmplug's paged runner. ``input_ids: (B, L)`` prepared by HF."""
     streamer = stream_to
     runner: ModelRunner = model._llmplug_runner
+    prompt_mask = model_kwargs.get("attention_mask")
+    reason = _loop_fallback_reason(input_ids, prompt_mask, generation_config.max_length, runner)
+    if reason is not None:  # HF prepared everything (cache included): its own loop takes over
+        _warn_once(reason, key=reason.split(" ", 1)[0])
+        return GenerationMixin._sample(model, input_ids, logits_processor=logits_processor,
+                                       stopping_criteria=stopping_criteria, generation_config=generation_config,
+                                       synced_gpus=False, streamer=streamer, **model_kwargs)
     pad = generation_config._pad_token_tensor
     want_dict = generation_config.return_dict_in_generate
     scores = () if want_dict and generation_config.output_scores else None
@@ -152,17 +191,18 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
 
     plain_greedy = (not generation_config.do_sample and len(logits_processor) == 0 and scores is None
                     and raw_logits is None)
-    seqs = SequenceBatch(runner, input_ids, model_kwargs.get("attention_mask"), generation_config.max_length)
+    seqs = SequenceBatch(runner, input_ids, prompt_mask, generation_config.max_length)
     # On CUDA without a streamer the host learns that every row finished one step late (HF's DeferredStopCheck
     # idea): it queues step n+1 before it waits for step n, so the GPU never idles on the host's bookkeeping.
     deferred = input_ids.device.type == "cuda" and streamer is None
     done_host = torch.zeros((), dtype=torch.bool, pin_memory=True) if deferred else None
     done_event = None
-    # greedy or stateless sampling whose only stops are max length and eos ids: every later step is one graph replay
+    # greedy or stateless sampling: every later step is one graph replay, the stops run late on the host
     graph_sampling = (generation_config.do_sample and scores is None and raw_logits is None
                       and all(type(p) in _GRAPH_WARPERS for p in logits_processor))
     on_device = (_graph_stopping(stopping_criteria, generation_config.max_length)
                  if (plain_greedy or graph_sampling) and deferred else None)
+    prompt_width = input_ids.shape[1]
     try:
         logits = seqs.prefill()
         while True:
@@ -210,18 +250,24 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
                     batch, logits_processor, _processors_key(logits_processor))
                 if graph is not None:
                     rng = torch.cuda.get_rng_state(input_ids.device)
-                    new, ran = seqs.decode_in_graph(graph, next_tokens, unfinished, eos,
-                                                    int(pad) if pad is not None else 0, limit - input_ids.shape[1])
+                    stops = LateStops(host_criteria(stopping_criteria), input_ids, unfinished, eos,
+                                      int(pad) if pad is not None else 0, has_eos, limit)
+                    ran = seqs.decode_in_graph(graph, next_tokens, unfinished, eos, stops.pad,
+                                               limit - input_ids.shape[1], stops)
+                    new = stops.new_tokens().to(input_ids.device) if stops.tokens else input_ids[:, :0]
                     input_ids = torch.cat([input_ids, new], dim=-1)
                     if not plain_greedy:
                         _rewind_rng(rng, ran, new.shape[1], input_ids.device)
                     break
             logits = seqs.decode(next_tokens)
+        cache = model_kwargs.get(CACHE_FIELD)
+        if want_dict and cache is not None:  # the KV stock would hand back: every token but the last
+            fill_hf_cache(cache, runner, seqs, prompt_mask, prompt_width, input_ids.shape[1] - 1)
     finally:
         seqs.release()
     if streamer is not None:
         streamer.end()
     if want_dict:
         return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits,
-                                         past_key_values=None)
+                                         **{CACHE_FIELD: cache})
     return input_ids

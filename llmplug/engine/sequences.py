@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kv.allocator import SequenceBlocks
+from .late_stops import LateStops
 from .metadata import AttentionMetadata
 from .runner import ModelRunner
 
@@ -129,23 +130,24 @@ class SequenceBatch:
         return out
 
     def decode_in_graph(self, graph_buf, tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tensor, pad: int,
-                        steps: int) -> tuple[torch.Tensor, int]:
+                        steps: int, stops: LateStops) -> int:
         """Up to ``steps`` decode steps, each one replay of a token-choosing graph of the runner (greedy or sampling:
         the token is picked and fed back on the device); every ``GREEDY_RING`` steps the host adds the pages the
-        next ring needs and collects the tokens, nothing in between.
+        next ring needs and copies the ring's tokens out, nothing in between. While the device runs a ring, ``stops``
+        applies HF's stop bookkeeping to the ring before (:meth:`LateStops.feed`); the loop ends once it says so.
 
         Args:
             graph_buf: ``(graph, buffers)`` from :meth:`ModelRunner.greedy_graph` or :meth:`ModelRunner.sample_graph`
                 for this batch.
             tokens: ``(B,)`` the tokens chosen last (this call's first inputs).
-            unfinished: ``(B,)`` bool, rows that have not produced an end-of-sequence id.
+            unfinished: ``(B,)`` bool, rows that have not finished.
             eos: ``(E,)`` end-of-sequence ids, ``E <= MAX_EOS``.
             pad: the token finished rows emit.
             steps: most steps to run (the max-length limit).
+            stops: keeps the tokens HF's loop keeps (:meth:`LateStops.new_tokens`).
 
         Returns:
-            ``(B, n)`` the new tokens, ``n <= steps``: the loop ends after the step in which the last row finishes, as
-            HF's does; it learns that one ring of steps late and drops the extra tokens. And how many steps ran.
+            How many steps the device ran (at most one ring past the step generation ended in).
         """
         from .runner import GREEDY_RING
 
@@ -162,8 +164,8 @@ class SequenceBatch:
         buf["pad"].fill_(pad)
         buf["counters"].zero_()
         buf["block_tables"][:rows, :width].copy_(self.block_table_dev)
-        chunks, done_host, done_event, ran = [], None, None, 0
-        while ran < steps:
+        queued, ran = [], 0
+        while ran < steps and not stops.done:
             n = min(GREEDY_RING, steps - ran)
             self.lengths = [length + n for length in self.lengths]
             if self._grow(range(rows), self.lengths):  # pages for the whole ring, before its first replay
@@ -171,14 +173,22 @@ class SequenceBatch:
             for _ in range(n):
                 graph.replay()
             ran += n
-            chunks.append(buf["ring"][:rows, :n].clone())
-            if done_event is not None:  # wait for the ring before last, so the GPU always has a ring queued
-                done_event.synchronize()
-                if done_host.item():
-                    break
-            done_host = torch.zeros((), dtype=torch.bool, pin_memory=True)
-            done_host.copy_(~buf["unfinished"][:rows].any(), non_blocking=True)
-            done_event = torch.cuda.Event()
-            done_event.record()
+            ring = torch.empty((rows, n), dtype=torch.long, pin_memory=True)
+            ring.copy_(buf["ring"][:rows, :n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            queued.append((ring, event))
+            if len(queued) > 1:  # the host reads the ring before last, so the device always has a ring to run
+                self._take_ring(*queued.pop(0), stops, buf["unfinished"][:rows])
+        for ring, event in queued:
+            self._take_ring(ring, event, stops, buf["unfinished"][:rows])
         self.positions += ran
-        return torch.cat(chunks, dim=1)[:, :int(buf["counters"][1])], ran
+        return ran
+
+    @staticmethod
+    def _take_ring(ring: torch.Tensor, event, stops: LateStops, unfinished: torch.Tensor) -> None:
+        if stops.done:
+            return
+        event.synchronize()
+        stops.feed(ring)
+        stops.push_finished(unfinished)

@@ -70,14 +70,15 @@ def test_generation_options_match_stock(kw, monkeypatch):
     assert torch.equal(a, b)
 
 
-def test_right_padding_gives_the_unpadded_answer():
+def test_right_padding_falls_back_to_stock_with_its_answer(monkeypatch):
+    """Stock HF predicts a right-padded row's next token from its last (pad) position; llmplug gives that answer."""
+    monkeypatch.setattr(generate_module, "_warned", set())
     stock, fast = _pair()
-    rows = prompts(3)
-    ids, mask = pad(rows, side="right")
-    out = fast.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-    for i, r in enumerate(rows):
-        alone = stock.generate(input_ids=torch.tensor([r]), max_new_tokens=5, do_sample=False)
-        assert out[i, ids.shape[1]:].tolist() == alone[0, len(r):].tolist()
+    ids, mask = pad(prompts(3), side="right")
+    a = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    with pytest.warns(UserWarning, match="right-padded"):
+        b = fast.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(a, b)
 
 
 def test_return_dict_scores_and_logits():
@@ -153,13 +154,26 @@ def test_pipeline_text_and_chat():
         assert outs[0] == outs[1]
 
 
-def test_empty_prompt_and_too_long_raise():
-    _, fast = _pair()
-    with pytest.raises(ValueError, match="empty prompt"):
-        fast.generate(input_ids=torch.tensor([[0, 0], [5, 6]]), attention_mask=torch.tensor([[0, 0], [1, 1]]),
-                      max_new_tokens=2)
-    with pytest.raises(ValueError, match="max_model_len=256"):
-        fast.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=300)
+@pytest.mark.parametrize("case", ["all-zero mask row", "past max_position_embeddings", "past max_model_len"])
+def test_where_stock_runs_llmplug_falls_back(case, monkeypatch):
+    monkeypatch.setattr(generate_module, "_warned", set())
+    stock, fast = _pair()
+    kw = dict(input_ids=torch.tensor([[5, 6], [7, 8]]), max_new_tokens=3, do_sample=False)
+    if case == "all-zero mask row":
+        kw["attention_mask"] = torch.tensor([[0, 0], [1, 1]])
+        match = "all zeros"
+    else:
+        kw["max_new_tokens"] = 260  # past 256 positions
+        match = "max_model_len=256 .the model's max_position_embeddings"
+    if case == "past max_model_len":
+        llmplug.unoptimize(fast)
+        llmplug.optimize(fast, max_model_len=64)
+        kw["max_new_tokens"] = 70
+        match = "max_model_len=64 .configured"
+    a = stock.generate(**kw)
+    with pytest.warns(UserWarning, match=match):
+        b = fast.generate(**kw)
+    assert torch.equal(a, b)
 
 
 def test_pages_cover_tokens_with_under_one_page_slack():
@@ -193,7 +207,7 @@ def test_graph_loop_eligibility():
         [MaxLengthCriteria(30), EosTokenCriteria([5, 9]), MaxLengthCriteria(25)], max_length=40)
     assert eos.tolist() == [5, 9] and limit == 25
     assert generate_module._graph_stopping([MaxLengthCriteria(30)], 40)[0].numel() == 0
-    assert generate_module._graph_stopping([MaxTimeCriteria(1.0)], 40) is None  # a host-side criterion
+    assert generate_module._graph_stopping([MaxTimeCriteria(1.0)], 40)[1] == 40  # a host criterion: run late
     assert generate_module._graph_stopping([EosTokenCriteria(list(range(9)))], 40) is None  # > MAX_EOS ids
     warpers = [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)]
     assert all(type(p) in generate_module._GRAPH_WARPERS for p in warpers)

@@ -217,6 +217,63 @@ def test_sampling_graph_matches_stock_seeded_samples():
     assert any(k[0] == "sample" and k[1] == 3 for k in model._llmplug_runner._graphs)
 
 
+class _TailStop:
+    """A stateful harness-style criterion: a row is done once its newest token is in ``stops``; rows stay done."""
+
+    def __init__(self, stops):
+        self.stops, self.done, self.calls = stops, None, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        last = input_ids[:, -1].tolist()
+        self.done = [d or t in self.stops for d, t in zip(self.done or [False] * len(last), last)]
+        return torch.tensor(self.done, device=input_ids.device)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_user_stopping_criteria_stay_on_the_graph_loop(do_sample):
+    """A Python criterion (stateful, reading tokens on the host) runs a ring of steps late beside the graph loop:
+    stock HF's tokens, the criterion called as often as stock calls it, with eos ids too and without."""
+    from transformers import StoppingCriteriaList
+
+    model = make_model("llama").cuda()
+    ids, mask = (t.cuda() for t in pad(prompts(3)))
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=60, do_sample=False)[:, ids.shape[1]:]
+    stops = {int(free[0, 40]), int(free[1, 18])}
+    sample = dict(do_sample=True, temperature=0.9, top_k=40) if do_sample else dict(do_sample=False)
+
+    def run(eos):
+        torch.manual_seed(5)
+        crit = _TailStop(stops)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=60, eos_token_id=eos,
+                             stopping_criteria=StoppingCriteriaList([crit]), **sample)
+        return out, crit.calls
+
+    eos_ids = [None, [int(free[2, 30])]]
+    expected = [run(e) for e in eos_ids]
+    llmplug.optimize(model, graph_batch_sizes=(1, 4))
+    for e, (want, calls) in zip(eos_ids, expected):
+        out, got_calls = run(e)
+        assert torch.equal(out, want) and got_calls == calls, (e, got_calls, calls)
+    assert any(k[0] in ("greedy", "sample") for k in model._llmplug_runner._graphs)
+
+
+def test_returned_cache_on_cuda_continues_like_stock():
+    from llmplug.engine.hf_cache import CACHE_FIELD
+
+    model = make_model("llama").cuda()
+    ids, mask = (t.cuda() for t in pad(prompts(3)))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, return_dict_in_generate=True)
+    want = model.generate(**kw)
+    llmplug.optimize(model)
+    got = model.generate(**kw)
+    assert torch.equal(got.sequences, want.sequences)
+    real = torch.cat([mask, torch.ones_like(mask[:, :1]).expand(-1, 19)], 1).bool()
+    for la, lb in zip(getattr(want, CACHE_FIELD).layers, getattr(got, CACHE_FIELD).layers):
+        torch.testing.assert_close(lb.keys.transpose(1, 2)[real], la.keys.transpose(1, 2)[real])
+        torch.testing.assert_close(lb.values.transpose(1, 2)[real], la.values.transpose(1, 2)[real])
+
+
 @pytest.mark.parametrize("rows,vocab", [(1, 128256), (5, 32000), (64, 151936)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_greedy_step_cuda(rows, vocab, dtype):

@@ -83,22 +83,20 @@ def _fallback_reason(model, config, kwargs: dict) -> str | None:
     return None
 
 
-def _loop_fallback_reason(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_length: int,
-                          runner: ModelRunner) -> str | None:
-    """Why the prepared call must run HF's own loop, or None: inputs llmplug would answer differently from stock.
-
-    ``input_ids, attention_mask: (B, L)`` as HF prepared them (the mask is None when nothing is padded).
-    """
+def _loop_fallback_reason(attention_mask: torch.Tensor | None, max_length: int,
+                          runner: ModelRunner) -> tuple[str, str] | None:
+    """``(kind, reason)`` when the prepared call must run HF's own loop (inputs llmplug would answer differently
+    from stock), else None. ``attention_mask: (B, L)`` as HF prepared it (None when nothing is padded)."""
     if attention_mask is not None:
         real = attention_mask.bool()
         if not real.any(dim=1).all():
-            return "a row whose attention_mask is all zeros"
+            return "empty row", "a row whose attention_mask is all zeros"
         if not real[:, -1].all():  # stock predicts from the last position, a pad token there
-            return "right-padded inputs (stock HF predicts from the pad position; pad on the left)"
+            return "right padding", "right-padded inputs (stock HF predicts from the pad position; pad on the left)"
     if max_length > runner.max_model_len:
         source = "configured" if runner.config.max_model_len else "the model's max_position_embeddings"
-        return (f"max_length={max_length} beyond max_model_len={runner.max_model_len} ({source}; raise it with "
-                "llmplug.optimize(model, max_model_len=...))")
+        return "length", (f"max_length={max_length} beyond max_model_len={runner.max_model_len} ({source}; raise it "
+                          "with llmplug.optimize(model, max_model_len=...))")
     return None
 
 
@@ -175,9 +173,9 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
     streamer = stream_to
     runner: ModelRunner = model._llmplug_runner
     prompt_mask = model_kwargs.get("attention_mask")
-    reason = _loop_fallback_reason(input_ids, prompt_mask, generation_config.max_length, runner)
-    if reason is not None:  # HF prepared everything (cache included): its own loop takes over
-        _warn_once(reason, key=reason.split(" ", 1)[0])
+    fallback = _loop_fallback_reason(prompt_mask, generation_config.max_length, runner)
+    if fallback is not None:  # HF prepared everything (cache included): its own loop takes over
+        _warn_once(fallback[1], key=fallback[0])
         return GenerationMixin._sample(model, input_ids, logits_processor=logits_processor,
                                        stopping_criteria=stopping_criteria, generation_config=generation_config,
                                        synced_gpus=False, streamer=streamer, **model_kwargs)

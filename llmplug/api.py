@@ -20,8 +20,17 @@ _RUNNER_ATTR = "_llmplug_runner"  # what generate runs on
 _UNDO_ATTR = "_llmplug_undo"  # how unoptimize reverts
 
 
+def _module(model) -> torch.nn.Module:
+    """``model`` itself; a :class:`TypeError` naming what was passed unless it is a loaded ``torch.nn.Module``."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    source = repr(model) if isinstance(model, str) else "name_or_path"
+    raise TypeError(f"llmplug expects a loaded transformers model (a torch.nn.Module), got {type(model).__name__} "
+                    f"{model!r:.80}; load it first, e.g. model = AutoModelForCausalLM.from_pretrained({source})")
+
+
 def is_optimized(model: torch.nn.Module) -> bool:
-    return _UNDO_ATTR in model.__dict__
+    return _UNDO_ATTR in _module(model).__dict__
 
 
 def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **overrides) -> torch.nn.Module:
@@ -35,8 +44,10 @@ def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **ove
         config: an :class:`OptimizeConfig`; keyword ``overrides`` replace single fields (unknown keys raise).
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module`` (a checkpoint name, say: load the model first).
         UnsupportedModelError: the model cannot run on llmplug (the message names its ``model_type``).
     """
+    _module(model)  # before the config: a checkpoint name is the likelier mistake
     config = OptimizeConfig.from_overrides(config, **overrides)
     if is_optimized(model):
         if model.__dict__[_RUNNER_ATTR].config != config:
@@ -65,7 +76,7 @@ def unoptimize(model: torch.nn.Module) -> torch.nn.Module:
 
     Quantized linears stay quantized (see :func:`optimize`); the model then runs them under the stock HF forward.
     """
-    log = model.__dict__.get(_UNDO_ATTR)
+    log = _module(model).__dict__.get(_UNDO_ATTR)
     if log is not None:
         log.undo_all()
     return model

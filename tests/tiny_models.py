@@ -4,6 +4,7 @@ import contextlib
 
 import torch
 import transformers as tf
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from llmplug.ops._triton import cpu_kernels
 
@@ -31,10 +32,36 @@ GENERIC = {
 }
 
 
-def make_model(name: str, dtype=torch.float32) -> torch.nn.Module:
-    """A fresh tiny model of family ``name`` (random weights seeded from the global RNG), eval mode."""
-    config = {**FUSED, **GENERIC}[name]()
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+# Multimodal wrappers around a text stack of one of the families above; ids 125-127 are their image tokens, so
+# text-only prompts draw from TEXT_VOCAB. Untied embeddings: a Gemma text stack (embeddings scaled by sqrt(hidden))
+# with a tied head predicts each row's last token again and again.
+TEXT_VOCAB = 125
+IMAGE_TOKENS = dict(boi_token_index=125, eoi_token_index=126, image_token_index=127)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+               patch_size=14)
+
+MULTIMODAL = {
+    # what AutoModelForCausalLM loads for gemma-3-4b-it: Gemma3ForConditionalGeneration
+    "gemma3": lambda: tf.Gemma3Config(text_config=FUSED["gemma3_text"](),
+                                      vision_config=tf.SiglipVisionConfig(**_VISION), mm_tokens_per_image=4,
+                                      tie_word_embeddings=False, **IMAGE_TOKENS),
+    "llava": lambda: tf.LlavaConfig(text_config=FUSED["llama"](), vision_config=tf.CLIPVisionConfig(**_VISION),
+                                    image_token_index=IMAGE_TOKENS["image_token_index"]),
+}
+
+
+def make_model(name: str, dtype=torch.float32, **text) -> torch.nn.Module:
+    """A fresh tiny model of family ``name`` (random weights seeded from the global RNG), eval mode.
+
+    ``text`` sets fields of its (text) config. A multimodal wrapper comes from the Auto class a user loads it with:
+    ``AutoModelForCausalLM`` where transformers maps its type, else ``AutoModelForImageTextToText``.
+    """
+    config = {**FUSED, **GENERIC, **MULTIMODAL}[name]()
+    for key, value in text.items():
+        setattr(config.get_text_config(), key, value)
+    auto = tf.AutoModelForCausalLM if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else \
+        tf.AutoModelForImageTextToText
+    model = auto.from_config(config, dtype=dtype).eval()
     with torch.no_grad():  # larger-than-init weights so logits are far from ties and tokens vary
         for p in model.parameters():
             if p.dim() >= 2:

@@ -117,13 +117,21 @@ def _fuse_mlp(mlp: torch.nn.Module, log: UndoLog) -> Linear:
     return _fuse([mlp.gate_proj, mlp.up_proj], log)
 
 
+def text_decoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The decoder stack the fused forward runs, found by HF's ``get_decoder()``: ``model.model`` of a causal LM, the
+    language model inside a multimodal wrapper (``model.model.language_model`` of Gemma3ForConditionalGeneration,
+    Llava, ...). None unless it has ``layers``, ``embed_tokens``, ``norm`` and ``rotary_emb``."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return decoder if all(hasattr(decoder, a) for a in ("layers", "embed_tokens", "norm", "rotary_emb")) else None
+
+
 class FusedDecoder:
     """Prepared (fused) weights of one model plus its forward over flat token lists."""
 
     def __init__(self, model: torch.nn.Module, spec: FamilySpec, activation: str, log: UndoLog) -> None:
         self.spec = spec
         self.activation = activation
-        self.base = model.model
+        self.base = text_decoder(model)
         self.lm_head = _linear_of(model.lm_head)
         text = model.config.get_text_config()
         self.final_softcap = getattr(text, "final_logit_softcapping", None)

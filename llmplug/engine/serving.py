@@ -46,14 +46,14 @@ class ServingMixin:
                     event.set()
 
         ids: list[str] = []
-        try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.add_request(prompt, p, on_event=collect, stream=False))
-        except Exception:
-            for rid in ids:
-                self.abort(rid)
-            raise
-        with bar:
+        with bar:  # closed however this ends, a rejected request included
+            try:
+                for prompt, p in zip(prompts, params):
+                    ids.append(self.add_request(prompt, p, on_event=collect, stream=False))
+            except Exception:
+                for rid in ids:
+                    self.abort(rid)
+                raise
             if self._thread is None:
                 while len(done) < len(ids):
                     self.step()

@@ -49,6 +49,11 @@ def save(results: dict, path: str | Path) -> Path:
     return path
 
 
+def _cell(value: float | None, width: int) -> str:
+    """``value`` with one decimal right-aligned in ``width`` characters, or ``skipped`` where it was not measured."""
+    return f"{value:{width}.1f}" if value is not None else f"{'skipped':>{width}s}"
+
+
 def e2e_table(r: dict, ceil: dict) -> list[str]:
     """Lines of the end-to-end table for one model's results ``r``."""
     new = r["new_tokens"]
@@ -63,7 +68,7 @@ def e2e_table(r: dict, ceil: dict) -> list[str]:
     best = max(v for k, v in b1.items() if k != "llmplug_b1")
     frac = f"{100 * b1['llmplug_b1'] / roof:9.1f}%" if roof else f"{'-':>10s}"
     lines.append(f"{f'batch-1 decode tok/s (128 in, {new} out)':42s} {b1['stock_eager_b1']:12.1f} "
-                 f"{b1.get('stock_static_compile_b1', float('nan')):13.1f} {b1['llmplug_b1']:10.1f} "
+                 f"{_cell(b1.get('stock_static_compile_b1'), 13)} {b1['llmplug_b1']:10.1f} "
                  f"{b1['llmplug_b1'] / best:11.2f}x {frac}")
     for n in r.get("llmplug_ttft", {}):
         s, o = r["stock_ttft"][n]["median"], r["llmplug_ttft"][n]["median"]
@@ -73,10 +78,11 @@ def e2e_table(r: dict, ceil: dict) -> list[str]:
     for b, t in r["llmplug_batches"].items():
         ours = r["batch_output_tokens"][b] / t["median"]
         st = r.get("stock_batches", {}).get(b)
-        theirs = r["batch_output_tokens"][b] / st["median"] if st else float("nan")
-        lines.append(f"{f'static batch {b} output tok/s ({lo}-{hi} in)':42s} {theirs:12.1f} {'':13s} {ours:10.1f} "
-                     f"{ours / theirs:11.2f}x")
-    lines.append(f"warm-up s: stock static+compile {r.get('stock_static_compile_warmup_s', float('nan')):.1f}, "
+        theirs = r["batch_output_tokens"][b] / st["median"] if st else None
+        ratio = f"{ours / theirs:11.2f}x" if theirs else f"{'-':>12s}"
+        lines.append(f"{f'static batch {b} output tok/s ({lo}-{hi} in)':42s} {_cell(theirs, 12)} {'':13s} "
+                     f"{ours:10.1f} {ratio}")
+    lines.append(f"warm-up s: stock static+compile {_cell(r.get('stock_static_compile_warmup_s'), 0)}, "
                  f"llmplug {r['llmplug_warmup_s']:.1f}")
     ours, base = r["llmplug_vs_sdpa"], r["stock_eager_vs_sdpa"]
     lines.append(f"greedy agreement with stock sdpa, first 32 tokens of 16 prompts: llmplug "

@@ -47,9 +47,13 @@ _cpu_kernels = [INTERPRET]
 _PDL_CAPABLE: dict[int, bool] = {}
 _pdl_scope = [False]
 
-__all__ = ["HAS_TRITON", "INTERPRET", "call_op", "cpu_kernels", "llmplug_op", "maybe_wrap",
+__all__ = ["HAS_TRITON", "INTERPRET", "InterpreterRequired", "call_op", "cpu_kernels", "llmplug_op", "maybe_wrap",
            "next_pow2", "pdl_options", "programmatic_launch", "round_rne", "rounded", "tl", "triton", "use_triton",
            "wait_inputs"]
+
+
+class InterpreterRequired(RuntimeError):
+    """Triton kernels were asked to run on CPU tensors without ``TRITON_INTERPRET=1`` set before triton's import."""
 
 
 def llmplug_op(name: str, mutates_args: tuple[str, ...] | str = ()):
@@ -76,7 +80,7 @@ def cpu_kernels(enabled: bool):
     """Run CPU tensors through the interpreted Triton kernels (``True``, needs ``TRITON_INTERPRET=1``) or the
     references (``False``) inside this block."""
     if enabled and not INTERPRET:
-        raise RuntimeError("CPU kernels need TRITON_INTERPRET=1 set before triton is imported")
+        raise InterpreterRequired("CPU kernels need TRITON_INTERPRET=1 set before triton is imported")
     _cpu_kernels.append(enabled)
     try:
         yield

@@ -145,11 +145,13 @@ def test_rejects_bad_inputs():
         call(q=q.transpose(1, 2).contiguous().transpose(1, 2))
 
 
+@pytest.mark.interpreter  # on CPU the op is opaque only under the interpreter (llmplug_op)
 def test_opcheck():
     args = make_inputs([2, 3], [0, 17], 2, 1, 64, 16, torch.float32)
     torch.library.opcheck(torch.ops.llmplug.prefill_attention.default, (*args, 0.125, -1, 0.0))
 
 
+@pytest.mark.interpreter  # on CPU the op is opaque only under the interpreter (llmplug_op)
 def test_compiles():
     args = make_inputs([4, 6], [9, 0], 2, 1, 64, 16, torch.float32)
     fn = torch.compile(lambda *a: prefill_attention(*a, 0.125) * 2, fullgraph=True)
@@ -203,6 +205,7 @@ def test_quantized_reference_close_to_unquantized(kv_dtype, h, hkv, d):
     assert sqnr_db(prefill_attention_ref(*args, d**-0.5), got) >= KV_CACHE_SQNR_DB[kv_dtype]
 
 
+@pytest.mark.interpreter  # on CPU the op is opaque only under the interpreter (llmplug_op)
 def test_quantized_bad_inputs_and_opcheck():
     args, scales = quantize_args(make_inputs([2, 3], [0, 17], 2, 1, 64, 16, torch.float32), torch.int8)
     with pytest.raises(ValueError, match="needs k_scale"):

@@ -250,8 +250,7 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
                     rng = torch.cuda.get_rng_state(input_ids.device)
                     stops = LateStops(host_criteria(stopping_criteria), input_ids, unfinished, eos,
                                       int(pad) if pad is not None else 0, has_eos, limit)
-                    ran = seqs.decode_in_graph(graph, next_tokens, unfinished, eos, stops.pad,
-                                               limit - input_ids.shape[1], stops)
+                    ran = seqs.decode_in_graph(graph, next_tokens, eos, limit - input_ids.shape[1], stops)
                     new = stops.new_tokens().to(input_ids.device) if stops.tokens else input_ids[:, :0]
                     input_ids = torch.cat([input_ids, new], dim=-1)
                     if not plain_greedy:

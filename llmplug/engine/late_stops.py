@@ -98,6 +98,11 @@ class LateStops:
         self.tokens.append(chunk)
         return False
 
+    def device_flags(self) -> torch.Tensor:
+        """``(B,)`` bool, the device's ``unfinished`` flags (rows it feeds pad where they are False): HF pads finished
+        rows only with an eos criterion; without one every row keeps its tokens."""
+        return self.unfinished.clone() if self.has_eos else torch.ones_like(self.unfinished)
+
     def push_finished(self, unfinished: torch.Tensor) -> None:
         """Clear the device's ``unfinished (B,)`` flags of rows a criterion finished, so it feeds them pad as HF does
         (only with an eos criterion: without one HF keeps their tokens)."""

@@ -129,8 +129,7 @@ class SequenceBatch:
         self.positions += 1
         return out
 
-    def decode_in_graph(self, graph_buf, tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tensor, pad: int,
-                        steps: int, stops: LateStops) -> int:
+    def decode_in_graph(self, graph_buf, tokens: torch.Tensor, eos: torch.Tensor, steps: int, stops: LateStops) -> int:
         """Up to ``steps`` decode steps, each one replay of a token-choosing graph of the runner (greedy or sampling:
         the token is picked and fed back on the device); every ``GREEDY_RING`` steps the host adds the pages the
         next ring needs and copies the ring's tokens out, nothing in between. While the device runs a ring, ``stops``
@@ -140,11 +139,10 @@ class SequenceBatch:
             graph_buf: ``(graph, buffers)`` from :meth:`ModelRunner.greedy_graph` or :meth:`ModelRunner.sample_graph`
                 for this batch.
             tokens: ``(B,)`` the tokens chosen last (this call's first inputs).
-            unfinished: ``(B,)`` bool, rows that have not finished.
             eos: ``(E,)`` end-of-sequence ids, ``E <= MAX_EOS``.
-            pad: the token finished rows emit.
             steps: most steps to run (the max-length limit).
-            stops: keeps the tokens HF's loop keeps (:meth:`LateStops.new_tokens`).
+            stops: keeps the tokens HF's loop keeps (:meth:`LateStops.new_tokens`); it also says which rows the device
+                pads (:meth:`LateStops.device_flags`) and with what.
 
         Returns:
             How many steps the device ran (at most one ring past the step generation ended in).
@@ -158,10 +156,10 @@ class SequenceBatch:
         buf["positions"].fill_(-1)
         buf["positions"][:rows].copy_(self.positions)
         buf["unfinished"].zero_()
-        buf["unfinished"][:rows].copy_(unfinished)
+        buf["unfinished"][:rows].copy_(stops.device_flags())
         buf["eos"].fill_(-1)
         buf["eos"][:eos.numel()].copy_(eos)
-        buf["pad"].fill_(pad)
+        buf["pad"].fill_(stops.pad)
         buf["counters"].zero_()
         buf["block_tables"][:rows, :width].copy_(self.block_table_dev)
         queued, ran = [], 0

@@ -72,4 +72,5 @@ def test_rows_finished_by_a_criterion_are_pushed_to_the_device_only_with_eos():
         device_flags = torch.ones(2, dtype=torch.bool)
         stops.push_finished(device_flags)
         assert device_flags.tolist() == ([False, True] if has_eos else [True, True])
+        assert stops.device_flags().tolist() == device_flags.tolist()  # a graph loop entered now pads the same rows
         assert stops.new_tokens()[0].tolist() == ([5, 6, 0] if has_eos else [5, 6, 7])

@@ -51,6 +51,22 @@ def _bench(args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    """Run the parsed command with ``--threads`` intra-op threads (on CPU one by default), restoring torch's count."""
+    threads = args.threads if args.threads is not None else (1 if torch.device(args.device).type == "cpu" else None)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        if args.bench_command == "throughput":
+            from .bench import throughput
+
+            return throughput.main(args)
+        return _bench(args)
+    finally:
+        torch.set_num_threads(before)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .bench import sample, throughput
 
@@ -70,13 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-sample", action="store_true",
                    help=f"skip the text sample (greedy continuations of Python prompts by models/{sample.MODEL_NAME})")
     b.add_argument("--out", help="write the full results as JSON here")
+    # NOTE: one thread by default on CPU: as fast as two on the small CPU models, and no OpenMP region waits on a
+    # thread another process has taken the core from (BENCHMARKS.md, "CPU threads beside a busy neighbour")
+    b.add_argument("--threads", type=int, help="intra-op CPU threads (torch.set_num_threads); default 1 on CPU, "
+                                               "torch's own on CUDA")
     bench_sub = b.add_subparsers(dest="bench_command")
     t = bench_sub.add_parser("throughput", help="serving benchmark of llmplug.Engine (workloads a-e, stock HF on a)")
     throughput.add_arguments(t)
     args = parser.parse_args(argv)
-    if args.bench_command == "throughput":
-        return throughput.main(args)
-    return _bench(args)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads}: give a positive number of threads")
+    return _run(args)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,12 @@ tests that need the interpreter then skip: those marked ``interpreter`` and thos
 
 import os
 
-import pytest
-import torch
+# NOTE: one intra-op thread: every tiny op that opens an OpenMP region stalls for a scheduler slice when another
+# process holds a core (BENCHMARKS.md, "CPU threads beside a busy neighbour"). Set before torch loads OpenMP.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -84,3 +84,18 @@ def test_differing_text_fails_the_command(timed, monkeypatch, capsys):
     assert cli.main(["bench", "--device", "cpu"]) == 1
     text = capsys.readouterr().out
     assert "(DIFFERS from stock HF from new token 2 on)" in text and "greedy outputs identical to stock HF: NO" in text
+
+
+@pytest.mark.parametrize("argv, threads", [([], 1), (["--threads", "2"], 2)])
+def test_cpu_bench_threads(timed, monkeypatch, argv, threads):
+    """On CPU the bench runs on one intra-op thread unless told otherwise, and gives the caller's setting back."""
+    seen = []
+    run = e2e.run
+    monkeypatch.setattr(e2e, "run", lambda *a, **k: seen.append(torch.get_num_threads()) or run(*a, **k))
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert cli.main(["bench", "--device", "cpu", "--no-sample", *argv]) == 0
+        assert seen == [threads] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -36,3 +36,17 @@ def test_interpreter_dependent_tests_skip_when_it_is_off():
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "1 passed, 10 skipped" in proc.stdout, proc.stdout[-3000:]
     assert "TRITON_INTERPRET=1" in proc.stdout  # the skip reason says what turns the tests on
+
+
+@pytest.mark.parametrize("given, expected", [(None, "1 1"), ("2", "2 2")])
+def test_one_intra_op_thread_unless_given(given, expected):
+    """The tests' tiny ops run on one thread (an OpenMP region per op stalls when another process holds a core);
+    ``OMP_NUM_THREADS`` given by the caller wins."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if given is not None:
+        env["OMP_NUM_THREADS"] = given
+    code = "import tests.conftest, os, torch; print(torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == expected

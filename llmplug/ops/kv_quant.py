@@ -57,7 +57,10 @@ def read_pages_ref(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torc
         blocks, offsets: int64 block ids and in-page offsets.
         dtype: the dequantized rows' dtype.
     """
-    rows = cache[blocks, offsets]
+    slots = blocks * cache.shape[1] + offsets
+    # NOTE: index_select, not cache[blocks, offsets]: the same rows, without an OpenMP region per call on short contexts
+    # (BENCHMARKS.md, "CPU threads beside a busy neighbour")
+    rows = cache.view(-1, *cache.shape[2:]).index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[2:])
     if scale is None:
         return rows
     return dequantize_ref(rows, scale[blocks, :, offsets], dtype)

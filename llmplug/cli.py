@@ -1,9 +1,9 @@
-"""``llmplug`` command line: ``llmplug bench`` compares stock HF and llmplug side by side; ``llmplug bench
-throughput`` runs the serving benchmark of ``llmplug.Engine``."""
+"""The commands of ``llmplug`` (parsed in :mod:`llmplug_cli`, the console script's light entry point):
+``llmplug bench`` compares stock HF and llmplug side by side; ``llmplug bench throughput`` runs the serving benchmark
+of ``llmplug.Engine``."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -68,34 +68,14 @@ def _run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench import sample, throughput
+    """Parse ``argv`` (default ``sys.argv[1:]``) with the full parser and run the command."""
+    from llmplug_cli import build_parser
 
-    parser = argparse.ArgumentParser(prog="llmplug", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="stock HF vs llmplug side by side: timings, then a text sample (no download)")
-    b.add_argument("--model", help="what the timings run on: a random-weight shape (tiny-llama, llama-1b, llama-8b,"
-                                   " qwen3-8b) or a local model directory; default llama-1b on CUDA, the trained"
-                                   f" models/{sample.MODEL_NAME} on CPU (tiny-llama where it is missing)")
-    b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    b.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on CUDA, fp32 on CPU")
-    b.add_argument("--new-tokens", type=int, help="default 256 on CUDA, 32 on CPU")
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--quick", action="store_true", help="skip TTFT and large static batches (always on CPU)")
-    b.add_argument("--no-static", action="store_true", help="skip the stock static-cache + torch.compile baseline")
-    b.add_argument("--kernels", action="store_true", help="also run the attention kernel microbenchmarks (CUDA)")
-    b.add_argument("--no-sample", action="store_true",
-                   help=f"skip the text sample (greedy continuations of Python prompts by models/{sample.MODEL_NAME})")
-    b.add_argument("--out", help="write the full results as JSON here")
-    # NOTE: one thread by default on CPU: as fast as two on the small CPU models, and no OpenMP region waits on a
-    # thread another process has taken the core from (BENCHMARKS.md, "CPU threads beside a busy neighbour")
-    b.add_argument("--threads", type=int, help="intra-op CPU threads (torch.set_num_threads); default 1 on CPU, "
-                                               "torch's own on CUDA")
-    bench_sub = b.add_subparsers(dest="bench_command")
-    t = bench_sub.add_parser("throughput", help="serving benchmark of llmplug.Engine (workloads a-e, stock HF on a)")
-    throughput.add_arguments(t)
-    args = parser.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads {args.threads}: give a positive number of threads")
+    from .bench import throughput
+
+    args = build_parser(throughput.add_arguments).parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return _run(args)
 
 

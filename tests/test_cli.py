@@ -3,6 +3,9 @@ llmplug; the fallback where the model is missing; the exit status when outputs d
 
 import copy
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +13,8 @@ import torch
 from llmplug import cli
 from llmplug.bench import e2e, sample
 from tests.tiny_models import reference_kernels
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +104,38 @@ def test_cpu_bench_threads(timed, monkeypatch, argv, threads):
         assert seen == [threads] and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["bench", "--dtype", "fp64"]])
+def test_help_and_usage_errors_load_nothing_heavy(argv):
+    """The console script's module parses before torch, transformers or llmplug load (``import llmplug`` takes
+    seconds: it registers llmplug's quantizer with transformers)."""
+    code = ("import sys, llmplug_cli\ntry:\n    llmplug_cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code)\nprint('loaded', [m for m in ('torch', 'transformers', 'llmplug') if m in "
+            "sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert "loaded []" in out, out
+    if argv[-1] == "--help":
+        assert "exit 0" in out and "usage: llmplug" in out
+        assert argv == ["--help"] or f"models/{sample.MODEL_NAME}" in out
+    else:
+        assert "exit 2" in out and "invalid choice: 'fp64'" in out
+
+
+def test_console_script_is_the_light_module():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["scripts"] == {"llmplug": "llmplug_cli:main"}
+    assert "llmplug_cli" in project["tool"]["setuptools"]["py-modules"]
+
+
+def test_throughput_options_reach_the_full_parser(capsys):
+    import llmplug_cli
+
+    with pytest.raises(SystemExit) as exit_:
+        llmplug_cli.main(["bench", "throughput", "--help"])
+    assert exit_.value.code == 0 and "--workloads" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        llmplug_cli.main(["bench", "throughput", "--workloads", "z"])
+    assert "invalid choice: 'z'" in capsys.readouterr().err

@@ -23,7 +23,9 @@ class OptimizeConfig:
         kv_block_size: tokens per KV page.
         kv_num_blocks: pages in the KV pool; ``None`` sizes the pool from ``kv_memory_fraction``.
         kv_memory_fraction: share of the device's free memory (after weights) given to the KV pool on CUDA;
-            on CPU, the share of physical memory.
+            on CPU, the share of physical memory. ``None``: 0.6 on CUDA; on CPU a pool of 1 GiB (131k tokens of
+            the 8-layer ``models/llmplug-stdlib-small`` in fp32), not a share of a machine's RAM that other
+            processes use too.
         cuda_graphs: replay CUDA graphs for decode steps (CUDA only).
         graph_batch_sizes: batch-size buckets captured for decode; larger batches run eagerly.
         graph_prefill_tokens: token buckets captured for single-sequence prefill chunks; others run eagerly.
@@ -43,7 +45,7 @@ class OptimizeConfig:
     fuse: bool = True
     kv_block_size: int = 16
     kv_num_blocks: int | None = None
-    kv_memory_fraction: float = 0.6
+    kv_memory_fraction: float | None = None
     cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256))
     graph_prefill_tokens: tuple[int, ...] = field(default=(64, 128, 256, 512))
@@ -62,8 +64,9 @@ class OptimizeConfig:
             raise ValueError(f"kv_block_size={self.kv_block_size!r} is not supported; choose one of {_BLOCK_SIZES}")
         if self.kv_num_blocks is not None and (not isinstance(self.kv_num_blocks, int) or self.kv_num_blocks < 1):
             raise ValueError(f"kv_num_blocks={self.kv_num_blocks!r} must be a positive int or None")
-        if not (isinstance(self.kv_memory_fraction, (int, float)) and 0.0 < self.kv_memory_fraction < 1.0):
-            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction!r} must be a float in (0, 1)")
+        fraction = self.kv_memory_fraction
+        if fraction is not None and not (isinstance(fraction, (int, float)) and 0.0 < fraction < 1.0):
+            raise ValueError(f"kv_memory_fraction={fraction!r} must be a float in (0, 1) or None")
         for name in ("graph_batch_sizes", "graph_prefill_tokens"):
             sizes = tuple(getattr(self, name))
             if any(not isinstance(b, int) or b < 1 for b in sizes):

@@ -19,6 +19,8 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
 
 
 SPLIT_COUNTERS = 1024
+CUDA_FRACTION = 0.6  # of free GPU memory (after weights), where no kv_memory_fraction is given
+CPU_POOL_BYTES = 1 << 30  # the CPU pool where neither kv_num_blocks nor kv_memory_fraction is given
 
 
 class PagedKVCache:
@@ -73,11 +75,17 @@ class PagedKVCache:
             t[:, dst] = t[:, src]
 
     @staticmethod
-    def budget_bytes(device: torch.device, fraction: float) -> int:
-        """Bytes the pool may take: ``fraction`` of free device memory (CUDA) or of physical memory (CPU)."""
+    def budget_bytes(device: torch.device, fraction: float | None) -> int:
+        """Bytes the pool may take: ``fraction`` of free device memory (CUDA) or of physical memory (CPU).
+
+        ``fraction=None`` (``OptimizeConfig.kv_memory_fraction``'s default): :data:`CUDA_FRACTION` of free memory on
+        CUDA, :data:`CPU_POOL_BYTES` on CPU, whose memory the pool shares with everything else on the machine.
+        """
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            return int(free * fraction)
+            return int(free * (CUDA_FRACTION if fraction is None else fraction))
+        if fraction is None:
+            return CPU_POOL_BYTES
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * fraction)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -1,5 +1,7 @@
 """The KV pool's layout and sizing, quantized pools included, and the block copies that must carry the scales."""
 
+import os
+
 import pytest
 import torch
 
@@ -75,3 +77,34 @@ def test_swap_round_trip_carries_scales(dtype):
     swap.swap_in(slots, [0, 5])
     assert _equal(_block(cache, 0), before[0]) and _equal(_block(cache, 5), before[1])
     assert swap.allocator.num_free == 3
+
+
+def _pool_of(**options) -> PagedKVCache:
+    """The KV pool ``llmplug.optimize(tiny llama, **options)`` allocates on the CPU."""
+    import llmplug
+    from tests.tiny_models import make_model
+
+    model = make_model("llama")
+    llmplug.optimize(model, **options)
+    try:
+        return model._llmplug_runner.ensure_cache()
+    finally:
+        llmplug.unoptimize(model)
+
+
+def test_cpu_pool_sizing():
+    """CPU default: a 1 GiB pool (not a share of the machine's RAM); explicit fractions and page counts still rule."""
+    pool = _pool_of()
+    assert 1 << 30 >= pool.num_blocks * pool.block_bytes > (1 << 30) - pool.block_bytes
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    pool = _pool_of(kv_memory_fraction=0.001)
+    assert pool.num_blocks == int(ram * 0.001) // pool.block_bytes
+    assert _pool_of(kv_num_blocks=7, kv_memory_fraction=0.5).num_blocks == 7
+
+
+@pytest.mark.parametrize("fraction", [0, 1.0, "0.5", -0.1])
+def test_bad_memory_fraction_names_the_value(fraction):
+    from llmplug import OptimizeConfig
+
+    with pytest.raises(ValueError, match=rf"kv_memory_fraction={fraction!r} must be a float in \(0, 1\) or None"):
+        OptimizeConfig(kv_memory_fraction=fraction)

@@ -360,7 +360,8 @@ def greedy_samples(model: torch.nn.Module, tok: PreTrainedTokenizerFast, new_tok
 
 
 def save(model: torch.nn.Module, tok: PreTrainedTokenizerFast, path: Path) -> None:
-    """Save ``model`` in bf16 safetensors with its tokenizer and a generation config into a fresh ``path``."""
+    """Save ``model`` in bf16 safetensors with its tokenizer and a generation config into a fresh ``path``; its
+    config says fp32, so a plain ``from_pretrained`` loads fp32 (the CPU path's dtype; bf16 widens exactly)."""
     if path.exists():
         shutil.rmtree(path)
     model.to(torch.bfloat16)
@@ -372,6 +373,8 @@ def save(model: torch.nn.Module, tok: PreTrainedTokenizerFast, path: Path) -> No
     tok_config = path / "tokenizer_config.json"
     tok_config.write_text(json.dumps({**json.loads(tok_config.read_text()),
                                       "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+    config = path / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "dtype": "float32"}, indent=2) + "\n")
     pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
     if pickles or not any(p.suffix == ".safetensors" for p in path.iterdir()):
         raise RuntimeError(f"{path} must hold safetensors weights only, found {sorted(os.listdir(path))}")

@@ -1,7 +1,9 @@
 """``transformers.pipeline`` keeps working after ``llmplug.optimize``: a chat turn, stock and then optimized.
 
     python examples/pipeline_chat.py                          # tiny random Llama + in-memory tokenizer, no download
-    python examples/pipeline_chat.py --model /path/to/hf-dir  # a local chat model with a chat template
+    python examples/pipeline_chat.py --model models/llmplug-stdlib-small  # the trained model in this repository
+    python examples/pipeline_chat.py --model /path/to/hf-dir  # a local chat model (one without a chat template
+                                                              # gets a minimal one)
 
 The pipeline holds the model object, and ``optimize`` works in place, so one pipeline serves both runs.
 """
@@ -17,6 +19,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import llmplug
 
+MINIMAL_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
 
 def char_tokenizer() -> tf.PreTrainedTokenizerFast:
     """A character-level fast tokenizer built in memory, with a minimal chat template."""
@@ -27,7 +31,7 @@ def char_tokenizer() -> tf.PreTrainedTokenizerFast:
     tok.decoder = decoders.Fuse()
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                       padding_side="left")
-    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    fast.chat_template = MINIMAL_TEMPLATE
     return fast
 
 
@@ -35,6 +39,9 @@ def load(name: str | None, device: str, dtype: torch.dtype) -> tuple[torch.nn.Mo
     """A local model and its tokenizer, or a tiny random-weight Llama sized to the in-memory tokenizer."""
     if name is not None:
         tok = tf.AutoTokenizer.from_pretrained(name, padding_side="left")
+        if tok.chat_template is None:  # a base model, like the trained one in models/: chat needs some template
+            print(f"({name} has no chat template: using a minimal one)")
+            tok.chat_template = MINIMAL_TEMPLATE
         return tf.AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval(), tok
     torch.manual_seed(0)  # the same random weights on every run
     tok = char_tokenizer()

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from llmplug.bench.sample import MODEL_NAME
+
 ROOT = Path(__file__).resolve().parent.parent
 
 EXPECTED = {
@@ -17,12 +19,25 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("script", sorted(EXPECTED))
-def test_example_runs(script):
+def _run(script: str, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU reference path, not Triton's
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("script", sorted(EXPECTED))
+def test_example_runs(script):
+    out = _run(script)
     for text in EXPECTED[script]:
-        assert text in proc.stdout, f"{text!r} not in stdout:\n{proc.stdout}"
+        assert text in out, f"{text!r} not in stdout:\n{out}"
+
+
+@pytest.mark.skipif(not (ROOT / "models" / MODEL_NAME).is_dir(), reason="models/ is not in this checkout")
+def test_pipeline_chat_on_the_shipped_model():
+    """The one local model a newcomer has: it has no chat template, so the example gives it a minimal one."""
+    out = _run("pipeline_chat.py", "--model", f"models/{MODEL_NAME}")
+    assert f"(models/{MODEL_NAME} has no chat template: using a minimal one)" in out
+    assert "same reply as stock pipeline: True" in out

@@ -21,7 +21,8 @@ EXPECTED = {
 
 def _run(script: str, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU reference path, not Triton's
-    env["PYTHONPATH"] = str(ROOT)
+    # on the CPU in fp32, where the scripts' "equal: True" must hold (on a GPU they run bf16: near-ties may round apart)
+    env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]

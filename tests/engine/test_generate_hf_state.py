@@ -10,6 +10,7 @@ import llmplug
 from llmplug.engine import generate as generate_module
 from llmplug.engine.hf_cache import CACHE_FIELD, token_columns
 from llmplug.ops._triton import cpu_kernels
+from tests.engine.test_generate import _pair
 from tests.tiny_models import make_model, pad, prompts
 
 
@@ -18,13 +19,6 @@ def _references(monkeypatch):
     monkeypatch.setattr(generate_module, "_warned", set())  # every fallback warns in every test
     with cpu_kernels(False):
         yield
-
-
-def _pair(family="llama"):
-    stock = make_model(family)
-    fast = make_model(family)
-    fast.load_state_dict(stock.state_dict())
-    return stock, llmplug.optimize(fast)
 
 
 def test_token_columns_follow_stock_padded_layout():

@@ -143,8 +143,26 @@ def _graph_stopping(stopping_criteria, max_length: int) -> tuple[torch.Tensor, i
     return (ids, limit) if ids.numel() <= MAX_EOS else None
 
 
+def _moved(model) -> str | None:
+    """How the model moved since ``optimize`` (``model.to(...)``, or a ``pipeline`` putting it on the GPU), or None."""
+    runner: ModelRunner = model._llmplug_runner
+    param = next(model.parameters())
+    if (param.device, param.dtype) == (runner.device, runner.dtype):
+        return None
+    return f"{runner.device} {runner.dtype} -> {param.device} {param.dtype}"
+
+
 def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
     """HF ``generate`` with llmplug's decoding loop; same signature and return types."""
+    moved = _moved(model)
+    if moved is not None:  # the fused weights and the KV pool stayed behind: optimize again where the model is now
+        from ..api import optimize, unoptimize
+
+        warnings.warn(f"the model moved after llmplug.optimize ({moved}); optimizing it again there (optimize after "
+                      "moving the model to skip this)", stacklevel=2)
+        config = model._llmplug_runner.config
+        optimize(unoptimize(model), config)
+        return model.generate(inputs=inputs, generation_config=generation_config, **kwargs)
     if kwargs.get("cache_implementation") == "paged":  # stock generate hands it to model.generate_batch: llmplug's
         return type(model).generate(model, inputs=inputs, generation_config=generation_config, **kwargs)
     if inputs is not None:

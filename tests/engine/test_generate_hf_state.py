@@ -117,3 +117,17 @@ def test_return_dict_prints_no_deprecation(monkeypatch):
     out = fast.generate(input_ids=torch.tensor([prompts(1)[0]]), max_new_tokens=3, return_dict_in_generate=True)
     assert out.sequences.shape[1] == len(prompts(1)[0]) + 3
     assert not [m for m in logged if "deprecated" in m]
+
+
+def test_a_model_moved_after_optimize_is_optimized_again_where_it_is():
+    """``pipeline`` puts a CPU model on the GPU when one exists, users call ``.to``: the fused weights and the KV pool
+    must follow (here fp32 -> bf16, what a CPU machine can move between): the tokens of a model optimized there."""
+    stock, fast = _pair()
+    ids, mask = pad(prompts(2))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    fresh = llmplug.optimize(stock.to(torch.bfloat16))
+    fast.to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="moved after llmplug.optimize"):
+        b = fast.generate(**kw)
+    assert torch.equal(fresh.generate(**kw), b)
+    assert fast._llmplug_runner.dtype == torch.bfloat16 and llmplug.is_optimized(fast)

@@ -24,6 +24,7 @@ from llmplug.bench.timing import replay_seconds  # noqa: E402
 from llmplug.ops.decode_slots import decode_slots, decode_slots_ref  # noqa: E402
 from llmplug.ops.gemv import add_norm_gemv, gemv  # noqa: E402
 from llmplug.ops.rms_norm import add_rms_norm  # noqa: E402
+from llmplug.state import state_of  # noqa: E402
 
 
 def separate_norm_gemv(x, residual, norm_weight, eps, offset, weight, bias=None, config=None, gated=""):
@@ -58,7 +59,7 @@ def main() -> None:
     for name in args.models:
         model = build(name, torch.bfloat16, "cuda")
         llmplug.optimize(model)
-        runner = model._llmplug_runner
+        runner = state_of(model).runner
         ids = torch.randint(3, 1000, (1, 128), device="cuda")
         times, tokens = {}, {}
         for label, on in (("on", True), ("off", False), ("on again", True)):

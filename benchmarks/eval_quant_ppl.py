@@ -25,6 +25,7 @@ import llmplug  # noqa: E402
 from llmplug.bench import report  # noqa: E402
 from llmplug.engine.metadata import AttentionMetadata  # noqa: E402
 from llmplug.kv.allocator import SequenceBlocks  # noqa: E402
+from llmplug.state import state_of  # noqa: E402
 
 MODES = {  # name -> optimize overrides
     "bf16": {},
@@ -49,7 +50,7 @@ def held_out_ids(tokenizer, corpus: Path) -> torch.Tensor:
 @torch.inference_mode()
 def window_nll(model, ids: torch.Tensor, chunk: int) -> tuple[float, int]:
     """Summed NLL of ``ids[1:]`` given the prefix, ``ids: (L,)``, prefilled through llmplug in ``chunk``-token steps."""
-    runner = model._llmplug_runner
+    runner = state_of(model).runner
     cache = runner.ensure_cache()
     seq = SequenceBlocks(cache.allocator, cache.block_size)
     dev = ids.device

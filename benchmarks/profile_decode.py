@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llmplug  # noqa: E402
 from llmplug.bench.shapes import build, weight_bytes  # noqa: E402
 from llmplug.bench.timing import replay_seconds  # noqa: E402
+from llmplug.state import state_of  # noqa: E402
 
 
 @torch.inference_mode()
@@ -25,7 +26,7 @@ def main(name: str, batch: int = 1, quantize: str | None = None, profile_host: b
     llmplug.optimize(model, quantize=quantize)
     ids = torch.randint(3, 1000, (batch, 128), device="cuda")
     model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
-    runner = model._llmplug_runner
+    runner = state_of(model).runner
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     model.generate(input_ids=ids, max_new_tokens=256, do_sample=False)

@@ -23,6 +23,7 @@ import llmplug  # noqa: E402
 from llmplug.bench import report, timing  # noqa: E402
 from llmplug.bench.shapes import build, weight_bytes  # noqa: E402
 from llmplug.quant.quantize import QUANT_ATTR  # noqa: E402
+from llmplug.state import state_of  # noqa: E402
 
 
 def prompts(n: int, length: int, vocab: int, device, seed: int) -> dict:
@@ -54,7 +55,7 @@ def run_mode(model, mode: str, args, ceil: dict) -> dict:
     heavy = prompts(args.prefill_batch, args.prefill_len, vocab, "cuda", 99)
     t = timing.time_call(lambda: model.generate(**heavy, max_new_tokens=args.prefill_new), "cuda", repeats=1)
     res["prefill_heavy_tok_s"] = args.prefill_batch * (args.prefill_len + args.prefill_new) / t["median"]
-    cache = model._llmplug_runner.cache
+    cache = state_of(model).runner.cache
     res["kv_tokens_resident"] = cache.num_blocks * cache.block_size
     res["kv_pool_bytes"] = sum(x.numel() * x.element_size() for x in vars(cache).values()
                                if isinstance(x, torch.Tensor))

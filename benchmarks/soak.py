@@ -37,6 +37,7 @@ import llmplug  # noqa: E402
 from llmplug import Engine, EngineConfig, SamplingParams  # noqa: E402
 from llmplug.engine.request import Status  # noqa: E402
 from llmplug.ops._triton import cpu_kernels  # noqa: E402
+from llmplug.state import state_of  # noqa: E402
 from tests.tiny_models import make_model  # noqa: E402
 
 
@@ -152,7 +153,7 @@ def _engine(stock: torch.nn.Module, num_blocks: int, cfg: SoakConfig, **override
                       policy=cfg.policy, watermark=cfg.watermark, preemption_mode=cfg.mode)
     engine_cfg.update(overrides)
     if engine_cfg["preemption_mode"] == "swap":
-        cache = fast._llmplug_runner.ensure_cache()
+        cache = state_of(fast).runner.ensure_cache()
         engine_cfg["swap_space_gb"] = cfg.swap_blocks * cache.block_bytes / 1e9
     return Engine(fast, EngineConfig(**engine_cfg))
 

@@ -15,9 +15,7 @@ from .patches.decoder import FusedDecoder
 from .patches.registry import check_supported, family_of
 from .patches.undo import UndoLog
 from .quant.quantize import quantize
-
-_RUNNER_ATTR = "_llmplug_runner"  # what generate runs on
-_UNDO_ATTR = "_llmplug_undo"  # how unoptimize reverts
+from .state import STATE_ATTR, LlmplugState, register_optimizer, state_of
 
 
 def _module(model) -> torch.nn.Module:
@@ -30,7 +28,7 @@ def _module(model) -> torch.nn.Module:
 
 
 def is_optimized(model: torch.nn.Module) -> bool:
-    return _UNDO_ATTR in _module(model).__dict__
+    return state_of(_module(model)) is not None
 
 
 def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **overrides) -> torch.nn.Module:
@@ -50,7 +48,7 @@ def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **ove
     _module(model)  # before the config: a checkpoint name is the likelier mistake
     config = OptimizeConfig.from_overrides(config, **overrides)
     if is_optimized(model):
-        if model.__dict__[_RUNNER_ATTR].config != config:
+        if state_of(model).config != config:
             raise ValueError("model is already optimized with a different config; call llmplug.unoptimize first")
         return model
     check_supported(model)
@@ -63,11 +61,11 @@ def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **ove
     for module in model.modules():
         if hasattr(module, "layer_idx"):
             log.set_attr(module, RUNTIME_ATTR, runner)
-    log.set_attr(model, _RUNNER_ATTR, runner)
+    state = LlmplugState(runner, log)
     log.set_attr(model, "generate", types.MethodType(llmplug_generate, model))
     install_hf_batching(model, log)  # generate_batch / init_continuous_batching on llmplug's Engine
     log.record(runner.release)
-    log.set_attr(model, _UNDO_ATTR, log)
+    log.set_attr(model, STATE_ATTR, state)
     return model
 
 
@@ -76,7 +74,10 @@ def unoptimize(model: torch.nn.Module) -> torch.nn.Module:
 
     Quantized linears stay quantized (see :func:`optimize`); the model then runs them under the stock HF forward.
     """
-    log = _module(model).__dict__.get(_UNDO_ATTR)
-    if log is not None:
-        log.undo_all()
+    state = state_of(_module(model))
+    if state is not None:
+        state.undo.undo_all()
     return model
+
+
+register_optimizer(optimize)

@@ -9,6 +9,7 @@ from llmplug.ops.decode_attention import decode_attention, decode_attention_ref
 from llmplug.ops.prefill_attention import prefill_attention, prefill_attention_ref
 from llmplug.ops.rope_decode_attention import rope_decode_attention, rope_decode_attention_ref
 from llmplug.ops.rope_store_kv import apply_rope_ref
+from llmplug.state import state_of
 from tests.ops.test_kv_quant import bits, quantize_pages
 from tests.tiny_models import FUSED, GENERIC, make_model, pad, prompts
 from tests.tolerances import assert_close_matmul_like
@@ -144,10 +145,10 @@ def test_family_greedy_fp32_cuda_graphs(family):
     expected = model.generate(**kw)
     llmplug.optimize(model, graph_batch_sizes=(1, 2, 8))
     got = model.generate(**kw)
-    assert model._llmplug_runner._graphs, "decode did not go through a CUDA graph"
+    assert state_of(model).runner._graphs, "decode did not go through a CUDA graph"
     assert torch.equal(got, expected)
     one = model.generate(input_ids=ids[:1, -5:], max_new_tokens=20, do_sample=False)
-    assert ("prefill", 64) in model._llmplug_runner._graphs, "single-prompt prefill did not replay a graph"
+    assert ("prefill", 64) in state_of(model).runner._graphs, "single-prompt prefill did not replay a graph"
     llmplug.unoptimize(model)
     assert torch.equal(one, model.generate(input_ids=ids[:1, -5:], max_new_tokens=20, do_sample=False))
 
@@ -164,7 +165,7 @@ def test_dynamic_rope_runs_without_graphs():
     expected = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False)
     llmplug.optimize(model, max_model_len=128)
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=10, do_sample=False), expected)
-    assert not model._llmplug_runner._graphs
+    assert not state_of(model).runner._graphs
 
 
 def test_eos_and_max_length_on_the_deferred_stop_path():
@@ -192,7 +193,7 @@ def test_greedy_graph_over_several_rings_and_pages():
     llmplug.optimize(model, graph_batch_sizes=(1, 4))
     for kw, want in zip(runs, expected):
         assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kw), want), kw
-    assert ("greedy", 4) in model._llmplug_runner._graphs
+    assert ("greedy", 4) in state_of(model).runner._graphs
 
 
 def test_sampling_graph_matches_stock_seeded_samples():
@@ -214,7 +215,7 @@ def test_sampling_graph_matches_stock_seeded_samples():
     for (want, want_next), (out, out_next) in zip(expected, got):
         assert torch.equal(out, want) and torch.equal(out_next, want_next)
     assert not torch.equal(got[0][0], got[2][0])
-    assert any(k[0] == "sample" and k[1] == 3 for k in model._llmplug_runner._graphs)
+    assert any(k[0] == "sample" and k[1] == 3 for k in state_of(model).runner._graphs)
 
 
 class _TailStop:
@@ -255,7 +256,7 @@ def test_user_stopping_criteria_stay_on_the_graph_loop(do_sample):
     for e, (want, calls) in zip(eos_ids, expected):
         out, got_calls = run(e)
         assert torch.equal(out, want) and got_calls == calls, (e, got_calls, calls)
-    assert any(k[0] in ("greedy", "sample") for k in model._llmplug_runner._graphs)
+    assert any(k[0] in ("greedy", "sample") for k in state_of(model).runner._graphs)
 
 
 def test_returned_cache_on_cuda_continues_like_stock():

@@ -13,6 +13,7 @@ from llmplug.ops.kv_quant import QMAX, dequantize_ref, quantize_ref
 from llmplug.ops.kv_store import store_kv, store_kv_ref
 from llmplug.ops.prefill_attention import prefill_attention, prefill_attention_ref
 from llmplug.ops.rope_store_kv import rope_store_kv, rope_store_kv_ref
+from llmplug.state import state_of
 from tests.engine.test_kv_cache_dtype import LOGITS_SQNR_DB, _teacher_forced_sqnr
 from tests.ops.test_kv_quant import bits, quantize_pages
 from tests.ops.test_rope_store_kv import _views
@@ -141,8 +142,8 @@ def test_quantized_kv_generate_with_cuda_graphs_and_engine(kv):
     model = copy.deepcopy(stock)
     llmplug.optimize(model, kv_cache_dtype=kv, graph_batch_sizes=(1, 2, 8))
     out = model.generate(**kw, output_scores=True, return_dict_in_generate=True)
-    assert model._llmplug_runner._graphs, "decode did not go through a CUDA graph"
-    assert model._llmplug_runner.cache.k.element_size() == 1
+    assert state_of(model).runner._graphs, "decode did not go through a CUDA graph"
+    assert state_of(model).runner.cache.k.element_size() == 1
     assert torch.equal(out.sequences[:, ids.shape[1]], expected[:, ids.shape[1]])
     assert _teacher_forced_sqnr(stock, out, ids, mask) >= LOGITS_SQNR_DB[kv]
     fast = copy.deepcopy(stock)
@@ -166,7 +167,7 @@ def test_same_memory_holds_about_twice_the_tokens_cuda(kv):
     for dtype in ("auto", kv):
         model = tf.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
         llmplug.optimize(model, kv_cache_dtype=dtype, kv_memory_fraction=0.1)
-        blocks[dtype] = model._llmplug_runner.ensure_cache().num_blocks
+        blocks[dtype] = state_of(model).runner.ensure_cache().num_blocks
         llmplug.unoptimize(model)
         del model
         torch.cuda.empty_cache()

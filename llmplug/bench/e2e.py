@@ -12,6 +12,7 @@ import llmplug
 
 from ..engine.metadata import AttentionMetadata
 from ..kv.allocator import SequenceBlocks
+from ..state import state_of
 from .shapes import build, weight_bytes
 from .timing import sync, time_call
 
@@ -37,7 +38,7 @@ def _left_pad(rows: list[list[int]], device) -> dict:
 
 def _llmplug_all_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """llmplug's logits at every position of equal-length prompts ``ids (B, L)`` -> ``(B, L, V)``."""
-    runner = model._llmplug_runner
+    runner = state_of(model).runner
     cache = runner.ensure_cache()
     b, length = ids.shape
     seqs = [SequenceBlocks(cache.allocator, cache.block_size) for _ in range(b)]

@@ -24,6 +24,7 @@ import llmplug
 from ..config import OptimizeConfig
 from ..engine.params import EngineConfig, SamplingParams
 from ..engine.request import RequestOutput
+from ..state import state_of
 from . import report, timing, workloads
 from .shapes import build
 from .workloads import ModelCost, Workload, floor
@@ -192,7 +193,7 @@ def run_generate_batch(model: torch.nn.Module, wl: Workload, requests: int | Non
                                     progress_bar=bar)
 
     gen(sub.prompts[:2], 4)  # warm-up: kernels and cuBLAS handles
-    cache = getattr(getattr(model, "_llmplug_runner", None), "cache", None)
+    cache = getattr(getattr(state_of(model), "runner", None), "cache", None)
     if cache is not None:  # on llmplug: no prefix hits from the workload's earlier runs
         cache.blocks.reset_cache()
     timing.sync(device)
@@ -250,7 +251,7 @@ def run(model_name: str, device: str, dtype: torch.dtype, keys: tuple[str, ...] 
             torch.cuda.empty_cache()
         done("stock")
     llmplug.optimize(model, optimize_config)
-    res["optimize_config"] = dataclasses.asdict(model._llmplug_runner.config)
+    res["optimize_config"] = dataclasses.asdict(state_of(model).runner.config)
     res["warmup_s"] = warm_up(model, engine_config, list(offline.values()) + online[:1], vocab)
     done("warm-up")
     for key, wl in offline.items():

@@ -18,6 +18,7 @@ import torch
 
 from ..kv.prefix_cache import ROOT
 from ..kv.swap import SwapSpace
+from ..state import ensure_state
 from .metrics import EngineMetrics
 from .params import EngineConfig, SamplingParams
 from .request import CompletionOutput, Request, RequestOutput, Sequence, Status, StreamDelta
@@ -76,16 +77,13 @@ class Engine(ServingMixin):
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, tokenizer=None) -> None:
-        from ..api import is_optimized, optimize
-
-        if not is_optimized(model):
-            optimize(model)
+        self.state = ensure_state(model)
         self.model = model
         self.config = config or EngineConfig()
         if not isinstance(self.config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(self.config).__name__}")
         self.tokenizer = tokenizer
-        self.runner = model._llmplug_runner
+        self.runner = self.state.runner
         self.cache = self.runner.ensure_cache()
         self.block_size = self.cache.block_size
         self.blocks = self.cache.blocks
@@ -209,6 +207,10 @@ class Engine(ServingMixin):
         """
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise RuntimeError("the engine's background loop is running: submit requests instead of calling step()")
+        with self.state.step_lock:  # no generate call or other engine drives the runner meanwhile
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         finished: list[RequestOutput] = []
         self._take_inbox(finished)
         if self._pending is not None and any(_needs_history(s) for s in self._pending.seqs):

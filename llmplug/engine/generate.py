@@ -25,6 +25,7 @@ from transformers import (
 from transformers.generation import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..state import ensure_state, require_state
 from .hf_cache import CACHE_FIELD, fill_hf_cache
 from .late_stops import LateStops, host_criteria
 from .runner import MAX_EOS, ModelRunner
@@ -76,7 +77,7 @@ def _fallback_reason(model, config, kwargs: dict) -> str | None:
         return f"cache_implementation={config.cache_implementation!r}"
     if getattr(config, "guidance_scale", None) not in (None, 1.0):
         return "guidance_scale"
-    runner: ModelRunner = model._llmplug_runner
+    runner = require_state(model).runner
     kind = runner.device.type
     if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) != runner.dtype:
         return f"torch.autocast(dtype={torch.get_autocast_dtype(kind)}) over a {runner.dtype} model"
@@ -145,7 +146,7 @@ def _graph_stopping(stopping_criteria, max_length: int) -> tuple[torch.Tensor, i
 
 def _moved(model) -> str | None:
     """How the model moved since ``optimize`` (``model.to(...)``, or a ``pipeline`` putting it on the GPU), or None."""
-    runner: ModelRunner = model._llmplug_runner
+    runner = require_state(model).runner
     param = next(model.parameters())
     if (param.device, param.dtype) == (runner.device, runner.dtype):
         return None
@@ -156,12 +157,11 @@ def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
     """HF ``generate`` with llmplug's decoding loop; same signature and return types."""
     moved = _moved(model)
     if moved is not None:  # the fused weights and the KV pool stayed behind: optimize again where the model is now
-        from ..api import optimize, unoptimize
-
         warnings.warn(f"the model moved after llmplug.optimize ({moved}); optimizing it again there (optimize after "
                       "moving the model to skip this)", stacklevel=2)
-        config = model._llmplug_runner.config
-        optimize(unoptimize(model), config)
+        state = require_state(model)
+        state.undo.undo_all()
+        ensure_state(model, state.config)
         return model.generate(inputs=inputs, generation_config=generation_config, **kwargs)
     if kwargs.get("cache_implementation") == "paged":  # stock generate hands it to model.generate_batch: llmplug's
         return type(model).generate(model, inputs=inputs, generation_config=generation_config, **kwargs)
@@ -181,7 +181,8 @@ def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
     # HF hands a custom loop only the arguments its signature adds to ``_sample``'s, so the streamer is bound here
     # (HF itself still puts the prompt into it) and ``tokenizer`` (for stop strings) is a parameter of the loop.
     loop = functools.partial(_decode_loop, stream_to=kwargs.get("streamer"))
-    return GenerationMixin.generate(model, generation_config=generation_config, custom_generate=loop, **kwargs)
+    with require_state(model).step_lock:  # no engine step runs on this model's runner meanwhile
+        return GenerationMixin.generate(model, generation_config=generation_config, custom_generate=loop, **kwargs)
 
 
 @torch.inference_mode()
@@ -189,7 +190,7 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
                  stream_to=None, tokenizer=None, **model_kwargs):
     """Mirror of HF's ``_sample`` loop over llmplug's paged runner. ``input_ids: (B, L)`` prepared by HF."""
     streamer = stream_to
-    runner: ModelRunner = model._llmplug_runner
+    runner = require_state(model).runner
     prompt_mask = model_kwargs.get("attention_mask")
     fallback = _loop_fallback_reason(prompt_mask, generation_config.max_length, runner)
     if fallback is not None:  # HF prepared everything (cache included): its own loop takes over

@@ -30,6 +30,7 @@ from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from ..patches.undo import UndoLog
+from ..state import require_state
 from .engine import Engine
 from .hf_config import REQUEST_KEYS, eos_ids, sampling_fields
 from .params import SamplingParams
@@ -37,7 +38,6 @@ from .request import RequestOutput, StreamDelta
 
 __all__ = ["ContinuousBatchingManager", "engine_of", "install"]
 
-ENGINE_ATTR = "_llmplug_engine"
 _HARD_STOP_ERROR = "Generation loop finished before this request completed (hard stop)"
 
 _lock = threading.Lock()  # engine creation and the loop's user counts
@@ -48,18 +48,12 @@ _managers = itertools.count()
 # ---- one engine per model, its background loop shared by every manager --------------------------------------------
 def engine_of(model: torch.nn.Module) -> Engine:
     """The model's :class:`Engine`, made on first use; ``unoptimize`` stops and drops it."""
+    state = require_state(model)
     with _lock:
-        engine = model.__dict__.get(ENGINE_ATTR)
-        if engine is None:
-            from ..api import _UNDO_ATTR
-
-            log: UndoLog | None = model.__dict__.get(_UNDO_ATTR)
-            if log is None:
-                raise RuntimeError("the model is not optimized: call llmplug.optimize(model) first")
-            engine = Engine(model)
-            log.record(functools.partial(_shutdown, engine))
-            log.set_attr(model, ENGINE_ATTR, engine)
-    return engine
+        if state.engine is None:
+            state.engine = Engine(model)
+            state.undo.record(functools.partial(_shutdown, state.engine))
+    return state.engine
 
 
 def _shutdown(engine: Engine) -> None:

@@ -7,7 +7,7 @@ import torch
 from ..kv.allocator import SequenceBlocks
 from .late_stops import LateStops
 from .metadata import AttentionMetadata
-from .runner import ModelRunner
+from .runner import GREEDY_RING, ModelRunner
 
 
 class SequenceBatch:
@@ -147,8 +147,6 @@ class SequenceBatch:
         Returns:
             How many steps the device ran (at most one ring past the step generation ended in).
         """
-        from .runner import GREEDY_RING
-
         rows = len(self.prompts)
         graph, buf = graph_buf
         width = self.block_table_dev.shape[1]

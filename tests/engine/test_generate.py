@@ -10,6 +10,7 @@ from transformers.generation.streamers import BaseStreamer
 import llmplug
 from llmplug.engine import generate as generate_module
 from llmplug.ops._triton import cpu_kernels
+from llmplug.state import state_of
 from tests.tiny_models import make_model, pad, prompts
 from tests.tiny_tokenizer import make_tokenizer
 
@@ -181,12 +182,12 @@ def test_pages_cover_tokens_with_under_one_page_slack():
     from llmplug.engine.sequences import SequenceBatch
 
     ids, mask = pad(prompts(3, lengths=(5, 17, 33)))
-    batch = SequenceBatch(fast._llmplug_runner, ids, mask, max_length=64)
+    batch = SequenceBatch(state_of(fast).runner, ids, mask, max_length=64)
     batch.prefill()
     p = batch.block_size
     for n, seq in zip(batch.lengths, batch.blocks):
         assert n <= len(seq.blocks) * p < n + p
-    pool = fast._llmplug_runner.cache.allocator
+    pool = state_of(fast).runner.cache.allocator
     before = pool.num_free
     batch.release()
     assert pool.num_free == before + sum(len(-(-n // p) * [0]) for n in (5, 17, 33))

@@ -10,6 +10,7 @@ import llmplug
 from llmplug.engine import generate as generate_module
 from llmplug.engine.hf_cache import CACHE_FIELD, token_columns
 from llmplug.ops._triton import cpu_kernels
+from llmplug.state import state_of
 from tests.engine.test_generate import _pair
 from tests.tiny_models import make_model, pad, prompts
 
@@ -130,4 +131,4 @@ def test_a_model_moved_after_optimize_is_optimized_again_where_it_is():
     with pytest.warns(UserWarning, match="moved after llmplug.optimize"):
         b = fast.generate(**kw)
     assert torch.equal(fresh.generate(**kw), b)
-    assert fast._llmplug_runner.dtype == torch.bfloat16 and llmplug.is_optimized(fast)
+    assert state_of(fast).runner.dtype == torch.bfloat16 and llmplug.is_optimized(fast)

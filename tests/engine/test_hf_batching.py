@@ -9,8 +9,8 @@ from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 import llmplug
-from llmplug.engine.hf_batching import ENGINE_ATTR
 from llmplug.ops._triton import cpu_kernels
+from llmplug.state import STATE_ATTR, state_of
 from tests.tiny_models import make_model, prompts
 
 
@@ -149,7 +149,7 @@ def test_manager_add_get_iter_cancel_stop(pair):
     assert manager.get_result(timeout=0.1) is None  # the cancelled request produced no output
     with pytest.warns(UserWarning, match="stopping"):
         assert manager.add_request(rows[0]) is None
-    assert not fast.__dict__[ENGINE_ATTR].is_running()  # the last manager released the engine's loop
+    assert not state_of(fast).engine.is_running()  # the last manager released the engine's loop
 
 
 def test_streaming_outputs_grow_token_by_token(pair):
@@ -209,13 +209,13 @@ def test_unoptimize_restores_stock_methods():
     model = llmplug.optimize(make_model("llama"))
     assert model.generate_batch.__func__ is not type(model).generate_batch
     model.generate_batch(prompts(1), _greedy(2, eos_token_id=None))
-    engine = model.__dict__[ENGINE_ATTR]
+    engine = state_of(model).engine
     manager = model.init_continuous_batching(_greedy(2))
     manager.start()
     assert engine.is_running()
     llmplug.unoptimize(model)
     assert not engine.is_running()
-    for name in ("generate_batch", "init_continuous_batching", "continuous_batching_context_manager", ENGINE_ATTR):
+    for name in ("generate_batch", "init_continuous_batching", "continuous_batching_context_manager", STATE_ATTR):
         assert name not in model.__dict__
     assert model.generate_batch.__func__ is type(model).generate_batch
     assert model.init_continuous_batching.__func__ is type(model).init_continuous_batching

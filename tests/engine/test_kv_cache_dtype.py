@@ -15,6 +15,7 @@ from llmplug import Engine, EngineConfig
 from llmplug.kv.cache import PagedKVCache
 from llmplug.ops._triton import cpu_kernels
 from llmplug.quant.formats import sqnr_db
+from llmplug.state import state_of
 from tests.engine.test_engine import greedy
 from tests.tiny_models import make_model, pad, prompts
 
@@ -49,7 +50,7 @@ def test_generate_with_quantized_kv_cache(family, kernels, kv):
     llmplug.optimize(model, kv_cache_dtype=kv, kv_num_blocks=16)
     with cpu_kernels(kernels):
         out = model.generate(**kw, output_scores=True, return_dict_in_generate=True)
-    cache = model._llmplug_runner.cache
+    cache = state_of(model).runner.cache
     assert cache.k.dtype == KV_DTYPES[kv] and cache.k_scale is not None
     # the first token comes from the prefill, which reads the prompt's own k/v unquantized
     assert torch.equal(out.sequences[:, ids.shape[1]], expected[:, ids.shape[1]])
@@ -59,7 +60,7 @@ def test_generate_with_quantized_kv_cache(family, kernels, kv):
 def _quantized_engine(stock, kv: str, num_blocks: int) -> Engine:
     fast = copy.deepcopy(stock)
     llmplug.optimize(fast, kv_num_blocks=num_blocks, kv_block_size=8, kv_cache_dtype=kv)
-    swap_gb = 6 * fast._llmplug_runner.ensure_cache().block_bytes / 1e9
+    swap_gb = 6 * state_of(fast).runner.ensure_cache().block_bytes / 1e9
     return Engine(fast, EngineConfig(preemption_mode="swap", swap_space_gb=swap_gb, max_num_batched_tokens=64,
                                      enable_prefix_caching=True))
 
@@ -93,5 +94,5 @@ def test_same_memory_holds_about_twice_the_blocks(kv, monkeypatch):
     for dtype in ("auto", kv):
         model = tf.LlamaForCausalLM(config).to(torch.bfloat16).eval()
         llmplug.optimize(model, kv_cache_dtype=dtype)
-        blocks[dtype] = model._llmplug_runner.ensure_cache().num_blocks
+        blocks[dtype] = state_of(model).runner.ensure_cache().num_blocks
     assert 1.9 <= blocks[kv] / blocks["auto"] < 2.0

@@ -3,6 +3,7 @@ import pytest
 import llmplug
 from llmplug.kv.allocator import BlockAllocator, SequenceBlocks
 from llmplug.ops._triton import cpu_kernels
+from llmplug.state import state_of
 from tests.tiny_models import make_model, pad, prompts
 
 
@@ -43,6 +44,6 @@ def test_generate_past_the_pool_raises_then_recovers():
     with cpu_kernels(False):
         with pytest.raises(llmplug.KVCacheFullError, match="kv_num_blocks"):
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30)
-        assert model._llmplug_runner.cache.allocator.num_free == 4  # the failed call gave its pages back
+        assert state_of(model).runner.cache.allocator.num_free == 4  # the failed call gave its pages back
         out = model.generate(input_ids=ids[1:], attention_mask=mask[1:], max_new_tokens=5)
     assert out.shape == (1, ids.shape[1] + 5)

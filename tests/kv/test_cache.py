@@ -7,6 +7,7 @@ import torch
 
 from llmplug.kv.cache import PagedKVCache, kv_storage_dtype
 from llmplug.kv.swap import SwapSpace
+from llmplug.state import state_of
 
 CPU = torch.device("cpu")
 
@@ -87,7 +88,7 @@ def _pool_of(**options) -> PagedKVCache:
     model = make_model("llama")
     llmplug.optimize(model, **options)
     try:
-        return model._llmplug_runner.ensure_cache()
+        return state_of(model).runner.ensure_cache()
     finally:
         llmplug.unoptimize(model)
 

@@ -6,6 +6,7 @@ import torch
 import llmplug
 from llmplug.ops._triton import cpu_kernels
 from llmplug.patches.decoder import FusedDecoder
+from llmplug.state import state_of
 from tests.tiny_models import FUSED, GENERIC, make_model, pad, prompts
 
 FAMILIES = sorted(FUSED) + sorted(GENERIC)
@@ -21,7 +22,7 @@ def test_greedy_matches_stock_hf(family):
     ids, mask = pad(prompts(4, lengths=(5, 13, 2, 8)))
     expected = _generate(model, ids, mask)
     llmplug.optimize(model)
-    assert isinstance(model._llmplug_runner.forward_fn, FusedDecoder) == (family in FUSED)
+    assert isinstance(state_of(model).runner.forward_fn, FusedDecoder) == (family in FUSED)
     with cpu_kernels(False):
         got = _generate(model, ids, mask)
     assert torch.equal(got, expected)
@@ -72,9 +73,9 @@ def test_unoptimize_restores_bit_identical_logits(family):
 def test_optimize_twice_is_a_no_op_and_other_models_untouched():
     model, other = make_model("llama"), make_model("llama")
     assert llmplug.optimize(model) is model
-    runner = model._llmplug_runner
+    runner = state_of(model).runner
     llmplug.optimize(model)
-    assert model._llmplug_runner is runner
+    assert state_of(model).runner is runner
     assert not llmplug.is_optimized(other) and "generate" not in other.__dict__
     with pytest.raises(ValueError, match="different config"):
         llmplug.optimize(model, kv_block_size=32)

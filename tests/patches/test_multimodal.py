@@ -9,6 +9,7 @@ import torch
 import llmplug
 from llmplug.engine.runner import hf_forward
 from llmplug.patches.decoder import FusedDecoder
+from llmplug.state import state_of
 from tests.tiny_models import IMAGE_TOKENS, TEXT_VOCAB, make_model, pad, prompts, reference_kernels
 
 
@@ -24,7 +25,7 @@ def test_text_only_greedy_matches_stock_hf(name, fuse):
     ids, mask = pad(prompts(4, lengths=(5, 13, 2, 8), vocab=TEXT_VOCAB))
     expected = _generate(stock, ids, mask)
     llmplug.optimize(model, fuse=fuse)
-    forward = model._llmplug_runner.forward_fn
+    forward = state_of(model).runner.forward_fn
     assert isinstance(forward, FusedDecoder) if fuse else forward is hf_forward
     if fuse:  # the fused forward runs the wrapper's text stack
         assert forward.base is model.model.language_model

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import llmplug
+from llmplug.state import state_of
 from tests.tiny_models import make_model
 
 
@@ -10,7 +11,7 @@ def test_rope_table_rows_equal_the_rotary_module(family):
     """cos/sin gathered from the once-filled table equal HF's rotary module on the same positions, bit for bit."""
     model = make_model(family)
     llmplug.optimize(model)
-    runner = model._llmplug_runner
+    runner = state_of(model).runner
     decoder = runner.forward_fn
     hidden = torch.zeros(4, model.config.hidden_size)
     positions = torch.tensor([0, 5, 255, 17])
@@ -30,7 +31,7 @@ def test_position_dependent_rope_types_keep_the_module():
     config = tf.LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     llmplug.optimize(model)
-    runner = model._llmplug_runner
+    runner = state_of(model).runner
     cos, sin = runner.forward_fn._rotary(torch.zeros(2, 64), torch.tensor([3, 4]), runner)[None]
     assert not runner.rope_by_position and runner.forward_fn._rope_tables == {}  # the module, every step
     assert cos.shape == sin.shape == (2, 64 // 4)

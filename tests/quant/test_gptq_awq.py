@@ -17,6 +17,7 @@ from llmplug.patches.undo import UndoLog
 from llmplug.quant.formats import sqnr_db
 from llmplug.quant.import_4bit import awq_linear, gptq_linear
 from llmplug.quant.linear import QuantLinear, fuse_quant_linears
+from llmplug.state import state_of
 from tests.tiny_models import make_model, pad, prompts
 from tests.tolerances import assert_close_matmul_like
 
@@ -332,7 +333,7 @@ def test_optimized_generate_matches_stock(tmp_path):
     with cpu_kernels(False):
         expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     llmplug.optimize(model)
-    layer = model._llmplug_runner.forward_fn.layers[0]
+    layer = state_of(model).runner.forward_fn.layers[0]
     assert layer.qkv.perm is not None and layer.gate_up.perm is not None
     with cpu_kernels(False):
         got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)

@@ -11,6 +11,7 @@ import torch
 import llmplug
 from llmplug.ops._triton import cpu_kernels
 from llmplug.quant import QuantLinear
+from llmplug.state import state_of
 from tests.tiny_models import make_model, pad, prompts
 
 
@@ -112,7 +113,7 @@ def test_fused_projections_share_storage_with_the_modules():
     model = make_model("llama")
     llmplug.optimize(model, quantize="int8")
     attn = model.model.layers[0].self_attn
-    fused = model._llmplug_runner.forward_fn.layers[0].qkv
+    fused = state_of(model).runner.forward_fn.layers[0].qkv
     assert attn.q_proj.qweight.data_ptr() == fused.qweight.data_ptr()
     assert attn.k_proj.qweight.data_ptr() == fused.qweight[attn.q_proj.out_features:].data_ptr()
     llmplug.unoptimize(model)

@@ -23,9 +23,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import llmplug  # noqa: E402
 from llmplug.bench import report  # noqa: E402
-from llmplug.engine.metadata import AttentionMetadata  # noqa: E402
-from llmplug.kv.allocator import SequenceBlocks  # noqa: E402
-from llmplug.state import state_of  # noqa: E402
 
 MODES = {  # name -> optimize overrides
     "bf16": {},
@@ -48,37 +45,18 @@ def held_out_ids(tokenizer, corpus: Path) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def window_nll(model, ids: torch.Tensor, chunk: int) -> tuple[float, int]:
-    """Summed NLL of ``ids[1:]`` given the prefix, ``ids: (L,)``, prefilled through llmplug in ``chunk``-token steps."""
-    runner = state_of(model).runner
-    cache = runner.ensure_cache()
-    seq = SequenceBlocks(cache.allocator, cache.block_size)
-    dev = ids.device
-    try:
-        seq.ensure(ids.numel())
-        table = torch.tensor([seq.blocks], dtype=torch.int32, device=dev)
-        logits = []
-        for start in range(0, ids.numel() - 1, chunk):
-            piece = ids[start:min(start + chunk, ids.numel() - 1)]
-            n = piece.numel()
-            meta = AttentionMetadata(
-                is_decode=False,
-                slot_mapping=torch.tensor([cache.slot(seq.blocks, p) for p in range(start, start + n)], device=dev),
-                block_tables=table, cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
-                context_lens=torch.tensor([start], dtype=torch.int32, device=dev), max_seqlen_q=n)
-            positions = torch.arange(start, start + n, device=dev)
-            logits.append(runner.forward(piece, positions, meta, torch.arange(n, device=dev)).float())
-        logits = torch.cat(logits)
-        return F.cross_entropy(logits, ids[1:], reduction="sum").item(), ids.numel() - 1
-    finally:
-        seq.release()
+def window_nll(model, ids: torch.Tensor) -> tuple[float, int]:
+    """Summed NLL of ``ids[1:]`` given the prefix, ``ids: (L,)``, prefilled through llmplug in chunks of the model's
+    ``max_prefill_tokens``."""
+    logits = llmplug.logits(model, ids[:-1]).float()
+    return F.cross_entropy(logits, ids[1:], reduction="sum").item(), ids.numel() - 1
 
 
-def perplexity(model, val: torch.Tensor, seq_len: int, chunk: int, max_windows: int | None) -> float:
+def perplexity(model, val: torch.Tensor, seq_len: int, max_windows: int | None) -> float:
     nll = count = 0
     starts = list(range(0, val.numel() - 1, seq_len))[:max_windows]
     for s in starts:
-        a, b = window_nll(model, val[s:s + seq_len + 1], chunk)
+        a, b = window_nll(model, val[s:s + seq_len + 1])
         nll, count = nll + a, count + b
     return math.exp(nll / count)
 
@@ -115,9 +93,9 @@ def main() -> None:
            "seq_len": args.seq_len, "chunk": args.chunk, "ppl": {}, "quantized_linears": {}}
     for mode in args.modes:
         model = copy.deepcopy(base)
-        llmplug.optimize(model, kv_num_blocks=4 * args.seq_len // 16 + 8, **MODES[mode])
+        llmplug.optimize(model, kv_num_blocks=4 * args.seq_len // 16 + 8, max_prefill_tokens=args.chunk, **MODES[mode])
         res["quantized_linears"][mode] = len(model.__dict__.get("_llmplug_quantization", {}).get("modules", []))
-        res["ppl"][mode] = perplexity(model, val, args.seq_len, args.chunk, args.max_windows)
+        res["ppl"][mode] = perplexity(model, val, args.seq_len, args.max_windows)
         llmplug.unoptimize(model)
         del model
         print(f"{mode:8s} ppl {res['ppl'][mode]:.4f} ({res['quantized_linears'][mode]} quantized linears)", flush=True)

@@ -16,10 +16,11 @@ from .config import OptimizeConfig
 from .engine.engine import Engine
 from .engine.params import EngineConfig, SamplingParams
 from .engine.request import CompletionOutput, RequestOutput, StreamDelta
+from .engine.scoring import logits
 from .errors import KVCacheFullError, UnsupportedModelError
 from .quant import LlmplugQuantConfig, QuantLinear, from_gptq_awq, from_quantized, quantize, save_quantized
 
 __all__ = ["CompletionOutput", "Engine", "EngineConfig", "KVCacheFullError", "LlmplugQuantConfig", "OptimizeConfig",
            "QuantLinear", "RequestOutput", "SamplingParams", "StreamDelta", "UnsupportedModelError", "from_gptq_awq",
-           "from_quantized", "is_optimized", "optimize", "quantize", "save_quantized", "unoptimize"]
+           "from_quantized", "is_optimized", "logits", "optimize", "quantize", "save_quantized", "unoptimize"]
 __version__ = "0.1.0"

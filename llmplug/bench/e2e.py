@@ -10,9 +10,6 @@ from tqdm.auto import tqdm
 
 import llmplug
 
-from ..engine.metadata import AttentionMetadata
-from ..kv.allocator import SequenceBlocks
-from ..state import state_of
 from .shapes import build, weight_bytes
 from .timing import sync, time_call
 
@@ -34,29 +31,6 @@ def _left_pad(rows: list[list[int]], device) -> dict:
         ids[i, width - len(r):] = torch.tensor(r)
         mask[i, width - len(r):] = 1
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
-
-
-def _llmplug_all_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """llmplug's logits at every position of equal-length prompts ``ids (B, L)`` -> ``(B, L, V)``."""
-    runner = state_of(model).runner
-    cache = runner.ensure_cache()
-    b, length = ids.shape
-    seqs = [SequenceBlocks(cache.allocator, cache.block_size) for _ in range(b)]
-    try:
-        for s in seqs:
-            s.ensure(length)
-        dev = ids.device
-        slots = [cache.slot(s.blocks, p) for s in seqs for p in range(length)]
-        meta = AttentionMetadata(
-            is_decode=False, slot_mapping=torch.tensor(slots, device=dev),
-            block_tables=torch.tensor([s.blocks for s in seqs], dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.arange(0, b + 1, dtype=torch.int32, device=dev) * length,
-            context_lens=torch.zeros(b, dtype=torch.int32, device=dev), max_seqlen_q=length)
-        positions = torch.arange(length, device=dev).repeat(b)
-        return runner.forward(ids.flatten(), positions, meta, torch.arange(b * length, device=dev)).view(b, length, -1)
-    finally:
-        for s in seqs:
-            s.release()
 
 
 def row_agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -155,7 +129,7 @@ def run(model_name: str, device: str, dtype: torch.dtype, *, new_tokens: int = 2
     ours = model.generate(**agree_rows, max_new_tokens=32, do_sample=False)[:, width:]
     res["llmplug_vs_sdpa"] = row_agreement(ours, stock_agree)
     res["greedy_agreement_32"] = res["llmplug_vs_sdpa"]["rows_identical"]
-    our_logits = _llmplug_all_logits(model, agree_rows["input_ids"])
+    our_logits = llmplug.logits(model, agree_rows["input_ids"])
     res["llmplug_vs_sdpa"]["teacher_forced_argmax"] = (
         (our_logits.argmax(-1) == stock_logits.argmax(-1)).float().mean().item())
     res["llmplug_vs_sdpa"]["logits_rel_diff"] = (

@@ -73,10 +73,12 @@ class SequenceBatch:
                 seq.release()
 
     # ---- steps ---------------------------------------------------------------------------------------------
-    def prefill(self) -> torch.Tensor:
-        """Run every prompt through the model in chunks of ``max_prefill_tokens``; logits ``(B, V)`` of last tokens."""
+    def prefill(self, every_token: bool = False) -> torch.Tensor | list[torch.Tensor]:
+        """Run every prompt through the model in chunks of ``max_prefill_tokens``; logits ``(B, V)`` of last tokens, or
+        with ``every_token`` each prompt's logits ``(L_i, V)`` at every token (a list, in row order)."""
         budget = self.runner.config.max_prefill_tokens
         logits = [None] * len(self.prompts)
+        pieces: list[list[torch.Tensor]] = [[] for _ in self.prompts]
         done = [0] * len(self.prompts)
         row = 0
         while row < len(self.prompts):
@@ -90,14 +92,19 @@ class SequenceBatch:
                 done[row] += take
                 if done[row] == self.lengths[row]:
                     row += 1
-            out = self._prefill_chunk(rows, starts, takes)
+            out = self._prefill_chunk(rows, starts, takes, every_token)
+            if every_token:
+                for r, part in zip(rows, out.split(takes)):
+                    pieces[r].append(part)
+                continue
             for i, r in enumerate(rows):
                 if starts[i] + takes[i] == self.lengths[r]:
                     logits[r] = out[i]
         self.positions = torch.tensor(self.lengths, dtype=torch.long).to(self.device)
-        return torch.stack(logits)
+        return [torch.cat(p) for p in pieces] if every_token else torch.stack(logits)
 
-    def _prefill_chunk(self, rows: list[int], starts: list[int], takes: list[int]) -> torch.Tensor:
+    def _prefill_chunk(self, rows: list[int], starts: list[int], takes: list[int],
+                       every_token: bool = False) -> torch.Tensor:
         ids, positions, slots, cu = [], [], [], [0]
         self._grow(rows, [s + n for s, n in zip(starts, takes)])
         for r, s, n in zip(rows, starts, takes):
@@ -114,8 +121,11 @@ class SequenceBatch:
             context_lens=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
             max_seqlen_q=max(takes),
         )
+        positions = torch.tensor(positions, dtype=torch.long).to(dev)
+        if every_token:  # eager: the prefill graphs keep one row of logits
+            return self.runner.forward(torch.cat(ids), positions, meta, None)
         last = torch.tensor(cu[1:], dtype=torch.long).to(dev, non_blocking=True) - 1
-        return self.runner.prefill(torch.cat(ids), torch.tensor(positions, dtype=torch.long).to(dev), meta, last)
+        return self.runner.prefill(torch.cat(ids), positions, meta, last)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (``tokens: (B,)`` on the device) -> logits ``(B, V)``. No host sync.

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kv.prefix_cache import BlockManager
 from .params import SamplingParams
 
 
@@ -58,6 +59,28 @@ class Sequence:
     def known_output(self) -> list[int]:
         """Generated tokens the host has seen (``output_ids`` may end in placeholders of in-flight steps)."""
         return self.tokens[self.prompt_len:self.resolved]
+
+    def rollback(self, k: int, blocks: BlockManager) -> None:
+        """Drop the last ``k`` tokens (rejected draft tokens): the sequence simply does not advance over them, so later
+        steps overwrite their KV slots, and the pages past the new end go back to ``blocks``.
+
+        Only tokens after the last prefix-cached block can go (a cached block's KV must never be overwritten), which
+        holds for unverified tokens: blocks are registered only once every token in them is known.
+
+        Raises:
+            ValueError: ``k`` outside ``[0, generated tokens]``, or a cut into a prefix-cached block.
+        """
+        if not 0 <= k <= self.num_output:
+            raise ValueError(f"cannot drop k={k} tokens of a sequence with {self.num_output} generated tokens")
+        end = self.num_tokens - k
+        if len(self.entry_ids) * blocks.block_size > end:
+            raise ValueError(f"dropping {k} tokens cuts into prefix-cached block {end // blocks.block_size}")
+        del self.tokens[end:]
+        self.num_computed = min(self.num_computed, end)
+        self.resolved = min(self.resolved, end)
+        keep = -(-self.num_computed // blocks.block_size)
+        blocks.free(self.blocks[keep:])
+        del self.blocks[keep:]
 
     def fork(self, index: int) -> Sequence:
         """A sibling sharing this sequence's computed prefix (the caller holds the shared blocks once more)."""

@@ -12,6 +12,7 @@ without the engine importing the layer above it.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -73,3 +74,18 @@ def ensure_state(model: torch.nn.Module, config: OptimizeConfig | None = None) -
     if state_of(model) is None:
         _optimizer[0](model, config)
     return require_state(model)
+
+
+def current_state(model: torch.nn.Module) -> LlmplugState:
+    """``model``'s state where the model is now. A model moved after ``optimize`` (``model.to(...)``, or a ``pipeline``
+    putting a CPU model on the GPU) left its fused weights and KV pool behind: it is optimized again there, with the
+    same config and a warning."""
+    state = require_state(model)
+    param = next(model.parameters())
+    was = (state.runner.device, state.runner.dtype)
+    if (param.device, param.dtype) == was:
+        return state
+    warnings.warn(f"the model moved after llmplug.optimize ({was[0]} {was[1]} -> {param.device} {param.dtype}); "
+                  "optimizing it again there (optimize after moving the model to skip this)", stacklevel=3)
+    state.undo.undo_all()
+    return ensure_state(model, state.config)

@@ -25,7 +25,7 @@ from transformers import (
 from transformers.generation import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..state import ensure_state, require_state
+from ..state import current_state, require_state
 from .hf_cache import CACHE_FIELD, fill_hf_cache
 from .late_stops import LateStops, host_criteria
 from .runner import MAX_EOS, ModelRunner
@@ -144,24 +144,10 @@ def _graph_stopping(stopping_criteria, max_length: int) -> tuple[torch.Tensor, i
     return (ids, limit) if ids.numel() <= MAX_EOS else None
 
 
-def _moved(model) -> str | None:
-    """How the model moved since ``optimize`` (``model.to(...)``, or a ``pipeline`` putting it on the GPU), or None."""
-    runner = require_state(model).runner
-    param = next(model.parameters())
-    if (param.device, param.dtype) == (runner.device, runner.dtype):
-        return None
-    return f"{runner.device} {runner.dtype} -> {param.device} {param.dtype}"
-
-
 def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
     """HF ``generate`` with llmplug's decoding loop; same signature and return types."""
-    moved = _moved(model)
-    if moved is not None:  # the fused weights and the KV pool stayed behind: optimize again where the model is now
-        warnings.warn(f"the model moved after llmplug.optimize ({moved}); optimizing it again there (optimize after "
-                      "moving the model to skip this)", stacklevel=2)
-        state = require_state(model)
-        state.undo.undo_all()
-        ensure_state(model, state.config)
+    state = require_state(model)
+    if current_state(model) is not state:  # optimized again where the model moved: its new generate takes the call
         return model.generate(inputs=inputs, generation_config=generation_config, **kwargs)
     if kwargs.get("cache_implementation") == "paged":  # stock generate hands it to model.generate_batch: llmplug's
         return type(model).generate(model, inputs=inputs, generation_config=generation_config, **kwargs)
@@ -181,7 +167,7 @@ def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
     # HF hands a custom loop only the arguments its signature adds to ``_sample``'s, so the streamer is bound here
     # (HF itself still puts the prompt into it) and ``tokenizer`` (for stop strings) is a parameter of the loop.
     loop = functools.partial(_decode_loop, stream_to=kwargs.get("streamer"))
-    with require_state(model).step_lock:  # no engine step runs on this model's runner meanwhile
+    with state.step_lock:  # no engine step runs on this model's runner meanwhile
         return GenerationMixin.generate(model, generation_config=generation_config, custom_generate=loop, **kwargs)
 
 

@@ -30,7 +30,7 @@ from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from ..patches.undo import UndoLog
-from ..state import require_state
+from ..state import current_state
 from .engine import Engine
 from .hf_config import REQUEST_KEYS, eos_ids, sampling_fields
 from .params import SamplingParams
@@ -47,8 +47,9 @@ _managers = itertools.count()
 
 # ---- one engine per model, its background loop shared by every manager --------------------------------------------
 def engine_of(model: torch.nn.Module) -> Engine:
-    """The model's :class:`Engine`, made on first use; ``unoptimize`` stops and drops it."""
-    state = require_state(model)
+    """The model's :class:`Engine`, made on first use (again after the model moved); ``unoptimize`` stops and drops
+    it."""
+    state = current_state(model)
     with _lock:
         if state.engine is None:
             state.engine = Engine(model)

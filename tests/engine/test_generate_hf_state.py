@@ -132,3 +132,18 @@ def test_a_model_moved_after_optimize_is_optimized_again_where_it_is():
         b = fast.generate(**kw)
     assert torch.equal(fresh.generate(**kw), b)
     assert state_of(fast).runner.dtype == torch.bfloat16 and llmplug.is_optimized(fast)
+
+
+def test_generate_batch_follows_a_moved_model_too():
+    from transformers import GenerationConfig
+
+    stock, fast = _pair()
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None)
+    fast.generate_batch(prompts(2), config)  # its engine exists on fp32 weights
+    fresh = llmplug.optimize(stock.to(torch.bfloat16))
+    fast.to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="moved after llmplug.optimize"):
+        got = fast.generate_batch(prompts(2), config)
+    want = fresh.generate_batch(prompts(2), config)
+    assert [got[k].generated_tokens for k in sorted(got)] == [want[k].generated_tokens for k in sorted(want)]
+    assert state_of(fast).engine.runner.dtype == torch.bfloat16

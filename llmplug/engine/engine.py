@@ -166,22 +166,14 @@ class Engine(ServingMixin):
         total = len(ids) + params.max_new_tokens
         if total > self.runner.max_model_len:
             raise ValueError(f"request of {total} tokens (prompt {len(ids)} + max_new_tokens={params.max_new_tokens})"
-                             f" exceeds max_model_len={self.runner.max_model_len}, {self._max_len_source()}; shorten "
-                             "the prompt or max_new_tokens, or raise the limit with llmplug.optimize(model, "
+                             f" exceeds max_model_len={self.runner.max_model_len}, {self.runner.max_model_len_source}; "
+                             "shorten the prompt or max_new_tokens, or raise the limit with llmplug.optimize(model, "
                              "max_model_len=...) before building the Engine (llmplug.unoptimize(model) first if it "
                              "is already optimized)")
         capacity = self.blocks.num_total * self.block_size
         if total > capacity:
             raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} exceeds the whole "
                              f"KV pool ({capacity} tokens); give llmplug a bigger pool (kv_memory_fraction=...)")
-
-    def _max_len_source(self) -> str:
-        """Where the runner's ``max_model_len`` comes from, for error messages."""
-        if self.runner.config.max_model_len is not None:
-            return f"set by llmplug.optimize(model, max_model_len={self.runner.config.max_model_len})"
-        if getattr(self.model.config.get_text_config(), "max_position_embeddings", None) is not None:
-            return "the model's max_position_embeddings"
-        return "llmplug's default (the model config has no max_position_embeddings)"
 
     def abort(self, request_id: str) -> None:
         """Stop a request (thread-safe); its output so far is delivered with finish reason ``"abort"``."""

@@ -95,17 +95,19 @@ def _loop_fallback_reason(attention_mask: torch.Tensor | None, max_length: int,
         if not real[:, -1].all():  # stock predicts from the last position, a pad token there
             return "right padding", "right-padded inputs (stock HF predicts from the pad position; pad on the left)"
     if max_length > runner.max_model_len:
-        source = "configured" if runner.config.max_model_len else "the model's max_position_embeddings"
-        return "length", (f"max_length={max_length} beyond max_model_len={runner.max_model_len} ({source}; raise it "
-                          "with llmplug.optimize(model, max_model_len=...))")
+        return "length", (f"max_length={max_length} beyond max_model_len={runner.max_model_len} "
+                          f"({runner.max_model_len_source}; raise it with llmplug.optimize(model, max_model_len=...))")
     return None
 
 
-def _warn_once(reason: str, key: str | None = None) -> None:
-    key = key or reason
+def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(f"llmplug does not support {reason} yet; running stock transformers generate", stacklevel=3)
+        warnings.warn(message, stacklevel=3)
+
+
+def _fallback_warning(reason: str) -> str:
+    return f"llmplug does not support {reason} yet; running stock transformers generate"
 
 
 # logits warpers that ignore input_ids and the step (so a CUDA graph can bake them in)
@@ -156,12 +158,11 @@ def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
     config = _merged_config(model, generation_config, kwargs)
     reason = _fallback_reason(model, config, kwargs)
     if reason is not None:
-        _warn_once(reason)
+        _warn_once(reason, _fallback_warning(reason))
         return type(model).generate(model, generation_config=generation_config, **kwargs)
-    if config.compile_config is not None and "compile_config" not in _warned:  # stock skips it too, with a warning
-        _warned.add("compile_config")
-        warnings.warn("compile_config has no effect without cache_implementation='static' (stock transformers skips "
-                      "compilation too); llmplug decodes with its own CUDA graphs", stacklevel=2)
+    if config.compile_config is not None:  # stock skips it too, with a warning
+        _warn_once("compile_config", "compile_config has no effect without cache_implementation='static' (stock "
+                   "transformers skips compilation too); llmplug decodes with its own CUDA graphs")
     if config.stop_strings is not None:
         _move_stop_strings(config, kwargs)
     # HF hands a custom loop only the arguments its signature adds to ``_sample``'s, so the streamer is bound here
@@ -180,7 +181,7 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
     prompt_mask = model_kwargs.get("attention_mask")
     fallback = _loop_fallback_reason(prompt_mask, generation_config.max_length, runner)
     if fallback is not None:  # HF prepared everything (cache included): its own loop takes over
-        _warn_once(fallback[1], key=fallback[0])
+        _warn_once(fallback[0], _fallback_warning(fallback[1]))
         return GenerationMixin._sample(model, input_ids, logits_processor=logits_processor,
                                        stopping_criteria=stopping_criteria, generation_config=generation_config,
                                        synced_gpus=False, streamer=streamer, **model_kwargs)

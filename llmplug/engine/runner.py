@@ -61,6 +61,12 @@ class ModelRunner:
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.max_model_len = config.max_model_len or getattr(text, "max_position_embeddings", 8192)
+        if config.max_model_len is not None:  # where the limit comes from, for error messages
+            self.max_model_len_source = f"set by llmplug.optimize(model, max_model_len={config.max_model_len})"
+        elif getattr(text, "max_position_embeddings", None) is not None:
+            self.max_model_len_source = "the model's max_position_embeddings"
+        else:
+            self.max_model_len_source = "llmplug's default (the model config has no max_position_embeddings)"
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)

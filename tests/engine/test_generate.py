@@ -170,7 +170,7 @@ def test_where_stock_runs_llmplug_falls_back(case, monkeypatch):
         llmplug.unoptimize(fast)
         llmplug.optimize(fast, max_model_len=64)
         kw["max_new_tokens"] = 70
-        match = "max_model_len=64 .configured"
+        match = r"max_model_len=64 \(set by llmplug.optimize\(model, max_model_len=64\)"
     a = stock.generate(**kw)
     with pytest.warns(UserWarning, match=match):
         b = fast.generate(**kw)

@@ -45,7 +45,7 @@ def main(name: str, batch: int = 1, quantize: str | None = None, profile_host: b
     torch.cuda.synchronize()
     first = (time.perf_counter() - t0) / 10
     bucket = runner.graph_bucket(batch)  # plain greedy generate replays the greedy graph (decode + token choice)
-    graph, buf = runner._graphs.get(("greedy", bucket)) or runner._graphs[("decode", bucket)]
+    graph, buf = runner._graphs.get(("greedy", bucket)) or runner._graphs[("step", bucket, 1)]
     buf["positions"][:batch] = 200
     replay = replay_seconds(graph)
     wb = weight_bytes(model)

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..kv.prefix_cache import ROOT
 from ..kv.swap import SwapSpace
 from ..state import ensure_state
 from .metrics import EngineMetrics
@@ -25,7 +24,7 @@ from .request import CompletionOutput, Request, RequestOutput, Sequence, Status,
 from .sampler import sample
 from .scheduler import Scheduler, StepPlan
 from .serving import Prompt, ServingMixin
-from .step_inputs import decode_inputs, prefill_inputs, to_device
+from .step import StepContext, build_step, to_device
 
 _PLACEHOLDER = -1  # a sampled token the host has not seen yet
 
@@ -227,7 +226,7 @@ class Engine(ServingMixin):
         logits, rows = self._execute(plan)
         for seq, n in zip(plan.seqs, plan.num_new):
             seq.num_computed += n
-            self._register_full_blocks(seq)
+            seq.register_full_blocks(self.blocks)
         self.metrics.on_step(plan)
         if not rows:  # only prompt chunks that end mid-prompt: nothing to sample
             return None
@@ -256,36 +255,34 @@ class Engine(ServingMixin):
             seq.tokens[index] = token
             seq.resolved = index + 1
             self.metrics.output_tokens += 1
-            self._register_full_blocks(seq)
+            seq.register_full_blocks(self.blocks)
             self._check_stop(seq, token, now, finished)
 
     def _execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
         """Swap-ins and the forward -> ``(logits (R, V), rows)``: ``rows`` index the sampled sequences."""
         for slots, blocks in plan.swap_in:
             self.scheduler.swap.swap_in(slots, blocks)
-        device = self.runner.device
-        if plan.is_decode:
-            ids, positions, tables = decode_inputs(plan.seqs, device)
-            self._fill_placeholders(ids, plan.seqs)
-            logits = self.runner.decode(ids, positions, tables)
-        else:
-            ids, positions, meta, last = prefill_inputs(plan.seqs, plan.num_new, self.block_size, device)
-            self._fill_placeholders(ids[:meta.num_decodes], plan.seqs[:meta.num_decodes])
-            logits = self.runner.prefill(ids, positions, meta, last)
+        ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device)
+        self._fill_placeholders(ctx, plan)
+        logits = self.runner.step(ctx)
         rows = [i for i, (s, n) in enumerate(zip(plan.seqs, plan.num_new)) if s.num_computed + n == s.num_tokens]
         if rows and len(rows) < len(plan.seqs):
             logits = logits[torch.tensor(rows, device=logits.device)]
         return logits, rows
 
-    def _fill_placeholders(self, ids: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _fill_placeholders(self, ctx: StepContext, plan: StepPlan) -> None:
         """Overwrite, on the device, the input ids of one-token rows whose token the previous step sampled."""
         if self._pending is None:
             return
-        src = [self._pending.row_of.get(id(s), -1) if s.tokens[-1] == _PLACEHOLDER else -1 for s in seqs]
-        if max(src, default=-1) < 0:
+        dst, src = [], []
+        for seq, n, start in zip(plan.seqs, plan.num_new, ctx.row_starts):
+            if n == 1 and seq.tokens[-1] == _PLACEHOLDER and id(seq) in self._pending.row_of:
+                dst.append(start)
+                src.append(self._pending.row_of[id(seq)])
+        if not dst:
             return
-        index = to_device(torch.tensor(src), ids.device)
-        ids.copy_(torch.where(index >= 0, self._pending.tokens[index.clamp(min=0)], ids))
+        index = to_device(torch.tensor([dst, src]), ctx.input_ids.device)
+        ctx.input_ids[index[0]] = self._pending.tokens[index[1]]
 
     def _fork(self, seqs: list[Sequence]) -> list[tuple[Sequence, Sequence]]:
         """Siblings for each request with ``n > 1`` about to sample its first token; they share its blocks."""
@@ -300,13 +297,6 @@ class Engine(ServingMixin):
                     request.seqs.append(child)
                     forks.append((seq, child))
         return forks
-
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        """Cache every block of ``seq`` that is computed, full, and whose tokens the host knows."""
-        P = self.block_size
-        for j in range(len(seq.entry_ids), min(seq.num_computed, seq.resolved) // P):
-            parent = seq.entry_ids[-1] if seq.entry_ids else ROOT
-            seq.entry_ids.append(self.blocks.register(seq.blocks[j], parent, seq.tokens[j * P:(j + 1) * P]))
 
     def _check_stop(self, seq: Sequence, token: int, now: float, finished: list[RequestOutput]) -> None:
         seq.token_times.append(now)

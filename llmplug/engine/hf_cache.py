@@ -46,13 +46,12 @@ def fill_hf_cache(cache, runner, seqs, prompt_mask: torch.Tensor | None, prompt_
         seqs: the call's :class:`~llmplug.engine.sequences.SequenceBatch` (its pages hold every column's KV).
         prompt_mask, prompt_width: as in :func:`token_columns`.
     """
-    rows = len(seqs.prompts)
+    rows = len(seqs)
     columns = token_columns(prompt_mask, rows, prompt_width, length)
     pad = columns < 0
     pos = columns.clamp_min(0)
     size = seqs.block_size
-    width = max(len(b.blocks) for b in seqs.blocks)
-    tables = torch.tensor([b.blocks + [0] * (width - len(b.blocks)) for b in seqs.blocks], dtype=torch.long)
+    tables = seqs.block_table.long()
     dev = runner.device
     blocks = tables.gather(1, pos // size).to(dev)
     offsets = (pos % size).to(dev)

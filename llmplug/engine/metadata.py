@@ -11,22 +11,24 @@ import torch
 class AttentionMetadata:
     """Paged-attention inputs for one step; every tensor is on the model's device.
 
-    Prefill (``is_decode`` False): sequences packed without padding, some possibly continuing from cached context.
-    Decode (``is_decode`` True): one new token per sequence, ``T == B``.
+    Packed (``query_len`` 0): sequences packed without padding, some possibly continuing from cached context.
+    Uniform (``query_len`` Q > 0): ``Q`` new tokens per sequence, ``T == B * Q``; a decode step (``is_decode``) is
+    ``Q == 1``.
 
     Attributes:
+        query_len: ``Q`` of a uniform step, 0 for a packed one.
         slot_mapping: ``(T,) int64`` KV slot of each new token (< 0: write nothing).
         block_tables: ``(B, M) int32`` page ids of each sequence.
-        cu_seqlens_q: ``(B+1,) int32`` prefill only: row offsets of each sequence's new tokens.
-        context_lens: ``(B,) int32`` prefill only: tokens already cached before this step.
-        max_seqlen_q: prefill only: longest new-token run.
-        seq_lens: ``(B,) int32`` decode only: cached tokens including the new one (0: padding row).
-        num_decodes: prefill only: the first ``num_decodes`` sequences have one new token each; their attention runs
+        cu_seqlens_q: ``(B+1,) int32`` not decode: row offsets of each sequence's new tokens.
+        context_lens: ``(B,) int32`` not decode: tokens already cached before this step.
+        max_seqlen_q: not decode: longest new-token run.
+        seq_lens: ``(B,) int32`` decode: cached tokens including the new one (0: padding row).
+        num_decodes: packed only: the first ``num_decodes`` sequences have one new token each; their attention runs
             on the decode kernel (``seq_lens`` then holds their ``(num_decodes,)`` lengths), the rest on the prefill
             kernel.
     """
 
-    is_decode: bool
+    query_len: int
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     cu_seqlens_q: torch.Tensor | None = None
@@ -34,3 +36,7 @@ class AttentionMetadata:
     max_seqlen_q: int = 0
     seq_lens: torch.Tensor | None = None
     num_decodes: int = 0
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_len == 1

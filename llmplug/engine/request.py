@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv.prefix_cache import BlockManager
+from ..kv.prefix_cache import ROOT, BlockManager
 from .params import SamplingParams
 
 
@@ -81,6 +81,13 @@ class Sequence:
         keep = -(-self.num_computed // blocks.block_size)
         blocks.free(self.blocks[keep:])
         del self.blocks[keep:]
+
+    def register_full_blocks(self, blocks: BlockManager) -> None:
+        """Cache every block that is computed, full, and whose tokens the host knows (never an unverified token)."""
+        P = blocks.block_size
+        for j in range(len(self.entry_ids), min(self.num_computed, self.resolved) // P):
+            parent = self.entry_ids[-1] if self.entry_ids else ROOT
+            self.entry_ids.append(blocks.register(self.blocks[j], parent, self.tokens[j * P:(j + 1) * P]))
 
     def fork(self, index: int) -> Sequence:
         """A sibling sharing this sequence's computed prefix (the caller holds the shared blocks once more)."""

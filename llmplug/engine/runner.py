@@ -1,7 +1,8 @@
-"""Runs one packed step of the model on the paged KV pool.
+"""Runs one step of the model (:class:`~llmplug.engine.step.StepContext`) on the paged KV pool.
 
-Decode steps replay CUDA graphs captured per batch-size bucket; single-sequence prefill chunks replay graphs captured
-per token bucket; everything else runs eagerly.
+Uniform steps (every row the same number of new tokens: decodes, speculative verifies) replay CUDA graphs captured per
+(batch-size bucket, query length); single-sequence prefill chunks replay graphs captured per token bucket; everything
+else runs eagerly. The greedy and sampling graphs add the choice of the next token to a decode step.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ import torch
 from ..config import OptimizeConfig
 from ..kv.cache import PagedKVCache, kv_storage_dtype
 from ..ops._triton import programmatic_launch
-from ..ops.decode_slots import decode_slots
 from ..ops.greedy_step import advance_step, greedy_step
 from .attention import ATTENTION_NAME
 from .metadata import AttentionMetadata
+from .step import StepContext, uniform_metadata
 
 # (runner, input_ids (T,), positions (T,), logits_indices (B,) or None) -> logits (B, V)
 ForwardFn = Callable[["ModelRunner", torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 _MAX_BLOCKS = 1 << 18
+MAX_GRAPH_QUERY = 16  # longest query a row of a uniform step may have for its step to replay a CUDA graph
 MAX_EOS = 8  # end-of-sequence ids a greedy graph checks on the device
 GREEDY_RING = 16  # greedy graph steps between two reads of their tokens by the host
 MAX_SAMPLE_GRAPHS = 4  # sampling graphs kept (one per batch size and sampler settings)
@@ -37,15 +39,6 @@ def hf_forward(runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Te
         out = runner.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                            logits_to_keep=keep)
     return out.logits[0]
-
-
-def decode_metadata(positions: torch.Tensor, block_tables: torch.Tensor,
-                    block_size: int) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Decode metadata from device tensors alone, in one kernel: ``positions (B,)`` (-1: padding row),
-    ``block_tables (B, M)`` -> ``(positions clamped at 0, metadata)``."""
-    clamped, slots, seq_lens = decode_slots(positions, block_tables, block_size)
-    return clamped, AttentionMetadata(is_decode=True, slot_mapping=slots, block_tables=block_tables,
-                                      seq_lens=seq_lens)
 
 
 class ModelRunner:
@@ -135,9 +128,32 @@ class ModelRunner:
 
     # ---- steps ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_indices: torch.Tensor | None) -> torch.Tensor:
-        """Eager step: ``input_ids, positions (T,)`` -> logits ``(B, V)`` of the rows ``logits_indices``."""
+    def step(self, ctx: StepContext) -> torch.Tensor:
+        """Run one step -> logits ``(R, V)`` of the rows ``ctx.logits_indices`` (every token row if None).
+
+        A uniform step of up to ``MAX_GRAPH_QUERY`` tokens a row that wants every row's logits (decodes, verifies)
+        replays the CUDA graph of its (rows bucket, query length), padding rows at position -1 (never stored, never
+        read); one sequence's chunk of up to ``max(graph_prefill_tokens)`` tokens whose last logits are wanted replays
+        the graph of its token bucket (pad tokens follow the real ones and are never stored). Everything else runs
+        eagerly.
+        """
+        q, rows, tokens = ctx.query_len, ctx.num_rows, ctx.input_ids.shape[0]
+        every_row = q == 1 or (ctx.logits_indices is None and q <= MAX_GRAPH_QUERY)
+        bucket = self.graph_bucket(rows) if q and every_row else None
+        if bucket is not None:
+            return self._replay_uniform(ctx, bucket)
+        positions, meta = ctx.positions, ctx.meta
+        if q:
+            positions, meta = uniform_metadata(ctx.positions, ctx.block_tables, self.block_size, q)
+        chunk = next((t for t in self.config.graph_prefill_tokens if t >= tokens), None)
+        if self._graphs_allowed and rows == 1 and q != 1 and chunk is not None and ctx.logits_indices is not None:
+            return self._replay_prefill(ctx.input_ids, positions, meta, ctx.logits_indices, chunk)
+        return self._forward(ctx.input_ids, positions, meta, ctx.logits_indices)
+
+    @torch.inference_mode()
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """Eager forward: ``input_ids, positions (T,)`` -> logits ``(R, V)`` of the rows ``logits_indices``."""
         self.ensure_cache()
         self.meta = meta
         try:
@@ -147,7 +163,7 @@ class ModelRunner:
             self.meta = None
 
     def graph_bucket(self, batch: int) -> int | None:
-        """The captured decode batch size a batch of ``batch`` rows runs in, or None (eager)."""
+        """The captured batch size a uniform step of ``batch`` rows runs in, or None (eager)."""
         if not self._graphs_allowed:
             return None
         return next((b for b in self.config.graph_batch_sizes if b >= batch), None)
@@ -159,24 +175,14 @@ class ModelRunner:
             return 0
         top = self.graph_bucket(max_batch) or self.config.graph_batch_sizes[-1]
         for bucket in self.config.graph_batch_sizes:
-            if bucket <= top and ("decode", bucket) not in self._graphs:
-                self._capture_decode(bucket)
-        return sum(kind == "decode" for kind, _ in self._graphs)
+            if bucket <= top and ("step", bucket, 1) not in self._graphs:
+                self._capture_uniform(bucket, 1)
+        return sum(key[0] == "step" and key[2] == 1 for key in self._graphs)
 
-    @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """Prefill step -> logits ``(B, V)`` of rows ``logits_indices``.
-
-        One sequence's chunk of up to ``max(graph_prefill_tokens)`` tokens replays a graph captured for the next
-        token bucket: pad tokens follow the real ones (no real query sees them) and are never stored (slot -1).
-        Anything else runs eagerly.
-        """
+    def _replay_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        logits_indices: torch.Tensor, chunk: int) -> torch.Tensor:
         tokens = input_ids.shape[0]
-        bucket = next((t for t in self.config.graph_prefill_tokens if t >= tokens), None)
-        if not self._graphs_allowed or bucket is None or meta.block_tables.shape[0] != 1:
-            return self.forward(input_ids, positions, meta, logits_indices)
-        graph, buf = self._graphs.get(("prefill", bucket)) or self._capture_prefill(bucket)
+        graph, buf = self._graphs.get(("prefill", chunk)) or self._capture_prefill(chunk)
         buf["input_ids"][:tokens].copy_(input_ids)
         torch.add(buf["offsets"], positions[:1], out=buf["positions"])
         buf["slot_mapping"][:tokens].copy_(meta.slot_mapping)
@@ -187,27 +193,17 @@ class ModelRunner:
         graph.replay()
         return buf["logits"]
 
-    @torch.inference_mode()
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Decode step: ``input_ids, positions (B,)``, ``block_tables (B, M)`` -> logits ``(B, V)``.
-
-        Slots and sequence lengths are derived on the device (:func:`decode_metadata`), so a step needs no host
-        data; a batch that fits a captured bucket replays that bucket's CUDA graph. Rows with position -1 are
-        padding.
-        """
-        batch = input_ids.shape[0]
-        bucket = self.graph_bucket(batch)
-        if bucket is None:
-            return self.forward(input_ids, positions, decode_metadata(positions, block_tables, self.block_size)[1],
-                                None)
-        graph, buf = self._graphs.get(("decode", bucket)) or self._capture_decode(bucket)
-        buf["input_ids"][:batch].copy_(input_ids)
-        buf["positions"][:batch].copy_(positions)
-        buf["block_tables"][:batch, :block_tables.shape[1]].copy_(block_tables)
-        if batch < bucket:
-            buf["positions"][batch:].fill_(-1)
+    def _replay_uniform(self, ctx: StepContext, bucket: int) -> torch.Tensor:
+        """``ctx``'s rows in the graph of (``bucket`` rows, its query length) -> logits of its ``B * Q`` token rows."""
+        q, rows = ctx.query_len, ctx.num_rows
+        graph, buf = self._graphs.get(("step", bucket, q)) or self._capture_uniform(bucket, q)
+        buf["input_ids"][:rows * q].copy_(ctx.input_ids)
+        buf["positions"][:rows].copy_(ctx.positions)
+        buf["block_tables"][:rows, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
+        if rows < bucket:
+            buf["positions"][rows:].fill_(-1)
         graph.replay()
-        return buf["logits"][:batch]
+        return buf["logits"][:rows * q]
 
     @torch.inference_mode()
     def greedy_graph(self, batch: int) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]] | None:
@@ -260,7 +256,7 @@ class ModelRunner:
         state = [buf[k] for k in ("unfinished", "eos", "pad", "ring", "input_ids", "positions", "counters")]
 
         def step():
-            logits = self._decode_forward(buf)
+            logits = self._uniform_forward(buf)
             if processors is None:
                 with programmatic_launch():
                     greedy_step(logits, *state)
@@ -272,26 +268,29 @@ class ModelRunner:
         return self._capture(key, buf, step)
 
     def _buffers(self, rows: int, tokens: int) -> dict[str, torch.Tensor]:
+        """Graph inputs: ``input_ids (tokens,)``, ``positions (rows,)`` (each row's first position),
+        ``block_tables (rows, M)``."""
         dev = self.device
         return {
             "input_ids": torch.zeros(tokens, dtype=torch.long, device=dev),
-            "positions": torch.full((tokens,), -1, dtype=torch.long, device=dev),
+            "positions": torch.full((rows,), -1, dtype=torch.long, device=dev),
             "block_tables": torch.zeros(rows, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
         }
 
-    def _capture_decode(self, bucket: int):
-        buf = self._buffers(bucket, bucket)
-        return self._capture(("decode", bucket), buf, lambda: self._decode_forward(buf))
+    def _capture_uniform(self, bucket: int, query_len: int):
+        buf = self._buffers(bucket, bucket * query_len)
+        return self._capture(("step", bucket, query_len), buf, lambda: self._uniform_forward(buf, query_len))
 
-    def _decode_forward(self, buf: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One decode step on a graph's buffers (``input_ids``, ``positions``, ``block_tables``) -> logits."""
-        positions, meta = decode_metadata(buf["positions"], buf["block_tables"], self.block_size)
-        return self.forward(buf["input_ids"], positions, meta, None)
+    def _uniform_forward(self, buf: dict[str, torch.Tensor], query_len: int = 1) -> torch.Tensor:
+        """One uniform step on a graph's buffers (``input_ids``, ``positions``, ``block_tables``) -> every row's
+        logits."""
+        positions, meta = uniform_metadata(buf["positions"], buf["block_tables"], self.block_size, query_len)
+        return self._forward(buf["input_ids"], positions, meta, None)
 
     def _capture_prefill(self, tokens: int):
         dev = self.device
         buf = self._buffers(1, tokens)
-        buf["positions"].zero_()
+        buf["positions"] = torch.zeros(tokens, dtype=torch.long, device=dev)  # every token's
         buf.update(
             offsets=torch.arange(tokens, device=dev),
             slot_mapping=torch.full((tokens,), -1, dtype=torch.long, device=dev),
@@ -299,11 +298,11 @@ class ModelRunner:
             context_lens=torch.zeros(1, dtype=torch.int32, device=dev),
             logits_indices=torch.zeros(1, dtype=torch.long, device=dev),
         )
-        meta = AttentionMetadata(is_decode=False, slot_mapping=buf["slot_mapping"], block_tables=buf["block_tables"],
+        meta = AttentionMetadata(query_len=0, slot_mapping=buf["slot_mapping"], block_tables=buf["block_tables"],
                                  cu_seqlens_q=buf["cu_seqlens_q"], context_lens=buf["context_lens"],
                                  max_seqlen_q=tokens)
         return self._capture(("prefill", tokens), buf,
-                             lambda: self.forward(buf["input_ids"], buf["positions"], meta, buf["logits_indices"]))
+                             lambda: self._forward(buf["input_ids"], buf["positions"], meta, buf["logits_indices"]))
 
     def _capture(self, key, buf: dict[str, torch.Tensor], step):
         """Warm ``step`` up on a side stream, capture it into a graph sharing one memory pool, keep its output."""

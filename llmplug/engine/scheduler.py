@@ -36,10 +36,6 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(self.num_new)
 
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 and s.num_computed == s.num_tokens - 1 for s, n in zip(self.seqs, self.num_new))
-
 
 def _seats(seq: Sequence) -> int:
     """Running sequences ``seq`` will count for: a request with ``n`` samples forks ``n - 1`` after its prompt."""

@@ -39,7 +39,7 @@ def logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
         raise ValueError(f"input_ids must be (B, L) or (L,), got shape {tuple(input_ids.shape)}")
     state = require_state(model)
     with state.step_lock:
-        seqs = SequenceBatch(state.runner, input_ids, attention_mask, input_ids.shape[1])
+        seqs = SequenceBatch(state.runner, input_ids, attention_mask, input_ids.shape[1], prefix_cache=False)
         try:
             rows = seqs.prefill(every_token=True)
         finally:

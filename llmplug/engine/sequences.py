@@ -1,48 +1,68 @@
-"""A static batch of sequences on the paged KV pool: unpadding, chunked prefill, growing pages, decode steps."""
+"""``generate``'s static batch on the shared runtime: its rows as Engine sequences, chunked prefill, decode steps."""
 
 from __future__ import annotations
 
 import torch
 
-from ..kv.allocator import SequenceBlocks
 from .late_stops import LateStops
-from .metadata import AttentionMetadata
+from .params import SamplingParams
+from .request import Request
 from .runner import GREEDY_RING, ModelRunner
+from .step import build_step, to_device
+
+_ROW_PARAMS = SamplingParams()  # generate's rows sample through HF's processors, never through these
 
 
 class SequenceBatch:
-    """The rows of one ``generate`` call.
+    """The rows of one ``generate`` (or scoring) call as the Engine's :class:`Sequence` objects in the model's shared
+    page pool: prompts unpadded, prefilled in chunks, pages grown as rows advance, every step built by
+    :func:`~llmplug.engine.step.build_step` and run by :meth:`ModelRunner.step`.
+
+    Generated tokens stay on the device (HF's ``input_ids``); a row's ``tokens`` hold its prompt, ``num_computed``
+    counts every token with KV. Prompt blocks already in the prefix cache are reused (``prefix_cache``) and full
+    prompt blocks are cached for later calls and Engine requests.
 
     Args:
         runner: the model's runner (owns the KV pool).
         input_ids: ``(B, L)`` prompts, left- or right-padded.
         attention_mask: ``(B, L)`` 1 for real tokens, or None when nothing is padded.
         max_length: longest total length a row may reach (prompt + new tokens).
+        prefix_cache: reuse cached prompt blocks and cache this call's (False where every prompt position must be
+            computed, as in scoring).
     """
 
     def __init__(self, runner: ModelRunner, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 max_length: int) -> None:
+                 max_length: int, prefix_cache: bool = True) -> None:
         self.runner = runner
         self.device = input_ids.device
         cache = runner.ensure_cache()
+        self.pool = cache.blocks
         self.block_size = cache.block_size
+        ids = input_ids.tolist()
         if attention_mask is None:
-            self.prompts = list(input_ids)
+            prompts = ids
         else:
-            mask = attention_mask.bool()
-            self.prompts = [row[m] for row, m in zip(input_ids, mask)]
-        lengths = [int(p.numel()) for p in self.prompts]
+            prompts = [[t for t, m in zip(row, keep) if m] for row, keep in zip(ids, attention_mask.bool().tolist())]
+        lengths = [len(p) for p in prompts]
         if min(lengths) == 0:
             raise ValueError(f"row {lengths.index(0)} of input_ids has no unmasked token: an empty prompt")
         longest = max(max(lengths), max_length)
         if longest > runner.max_model_len:
             raise ValueError(f"sequences of up to {longest} tokens exceed max_model_len={runner.max_model_len}; "
                              "pass optimize(model, max_model_len=...) or shorten max_length/max_new_tokens")
-        self.lengths = lengths  # tokens each row has in the KV cache once its latest token is stored
-        self.blocks = [SequenceBlocks(cache.blocks, self.block_size) for _ in self.prompts]
+        self.prefix_cache = prefix_cache
+        self.seqs = [Request(f"row{i}", p, _ROW_PARAMS).seqs[0] for i, p in enumerate(prompts)]
         width = -(-longest // self.block_size)
-        self.block_table = torch.zeros(len(self.prompts), width, dtype=torch.int32)
+        self.block_table = torch.zeros(len(prompts), width, dtype=torch.int32)
+        for row, seq in enumerate(self.seqs):
+            if prefix_cache:
+                seq.blocks, seq.entry_ids = self.pool.match(seq.tokens)
+                seq.num_computed = len(seq.blocks) * self.block_size
+                self.block_table[row, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
         self.block_table_dev = self.block_table.to(self.device)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
 
     # ---- pages ---------------------------------------------------------------------------------------------
     def _grow(self, rows, num_tokens) -> bool:
@@ -54,9 +74,11 @@ class SequenceBatch:
         """
         grown = False
         for row, n in zip(rows, num_tokens):
-            seq = self.blocks[row]
-            old = len(seq.blocks)
-            if seq.ensure(n):
+            seq = self.seqs[row]
+            need = -(-n // self.block_size) - len(seq.blocks)
+            if need > 0:
+                old = len(seq.blocks)
+                seq.blocks.extend(self.pool.allocate(need))
                 self.block_table[row, old:len(seq.blocks)] = torch.tensor(seq.blocks[old:], dtype=torch.int32)
                 grown = True
         if grown:
@@ -64,79 +86,66 @@ class SequenceBatch:
             self.block_table_dev.copy_(src, non_blocking=True)
         return grown
 
-    def _slot(self, row: int, pos: int) -> int:
-        return self.blocks[row].blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-
     def release(self) -> None:
-        for seq in self.blocks:
+        """Give every row's pages back (cached prompt blocks stay findable until evicted)."""
+        for seq in self.seqs:
             if seq.blocks:
-                seq.release()
+                self.pool.free(seq.blocks)
+                seq.blocks = []
 
     # ---- steps ---------------------------------------------------------------------------------------------
     def prefill(self, every_token: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """Run every prompt through the model in chunks of ``max_prefill_tokens``; logits ``(B, V)`` of last tokens, or
         with ``every_token`` each prompt's logits ``(L_i, V)`` at every token (a list, in row order)."""
         budget = self.runner.config.max_prefill_tokens
-        logits = [None] * len(self.prompts)
-        pieces: list[list[torch.Tensor]] = [[] for _ in self.prompts]
-        done = [0] * len(self.prompts)
+        logits = [None] * len(self.seqs)
+        pieces: list[list[torch.Tensor]] = [[] for _ in self.seqs]
         row = 0
-        while row < len(self.prompts):
-            rows, starts, takes, left = [], [], [], budget
-            while row < len(self.prompts) and left > 0:
-                take = min(self.lengths[row] - done[row], left)
+        while row < len(self.seqs):
+            rows, takes, left = [], [], budget
+            while row < len(self.seqs) and left > 0:
+                todo = self.seqs[row].num_tokens - self.seqs[row].num_computed
+                take = min(todo, left)
                 rows.append(row)
-                starts.append(done[row])
                 takes.append(take)
                 left -= take
-                done[row] += take
-                if done[row] == self.lengths[row]:
+                if take == todo:
                     row += 1
-            out = self._prefill_chunk(rows, starts, takes, every_token)
-            if every_token:
-                for r, part in zip(rows, out.split(takes)):
-                    pieces[r].append(part)
-                continue
+            out = self._prefill_chunk(rows, takes, every_token)
             for i, r in enumerate(rows):
-                if starts[i] + takes[i] == self.lengths[r]:
+                if every_token:
+                    pieces[r].append(out[i])
+                elif self.seqs[r].num_computed == self.seqs[r].num_tokens:
                     logits[r] = out[i]
-        self.positions = torch.tensor(self.lengths, dtype=torch.long).to(self.device)
+        if self.prefix_cache:
+            for seq in self.seqs:
+                seq.register_full_blocks(self.pool)
         return [torch.cat(p) for p in pieces] if every_token else torch.stack(logits)
 
-    def _prefill_chunk(self, rows: list[int], starts: list[int], takes: list[int],
-                       every_token: bool = False) -> torch.Tensor:
-        ids, positions, slots, cu = [], [], [], [0]
-        self._grow(rows, [s + n for s, n in zip(starts, takes)])
-        for r, s, n in zip(rows, starts, takes):
-            ids.append(self.prompts[r][s:s + n])
-            positions.extend(range(s, s + n))
-            slots.extend(self._slot(r, p) for p in range(s, s + n))
-            cu.append(cu[-1] + n)
-        dev = self.device
-        meta = AttentionMetadata(
-            is_decode=False,
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-            block_tables=self.block_table_dev[rows],
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
-            context_lens=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
-            max_seqlen_q=max(takes),
-        )
-        positions = torch.tensor(positions, dtype=torch.long).to(dev)
-        if every_token:  # eager: the prefill graphs keep one row of logits
-            return self.runner.forward(torch.cat(ids), positions, meta, None)
-        last = torch.tensor(cu[1:], dtype=torch.long).to(dev, non_blocking=True) - 1
-        return self.runner.prefill(torch.cat(ids), positions, meta, last)
+    def _prefill_chunk(self, rows: list[int], takes: list[int], every_token: bool) -> list[torch.Tensor]:
+        """One step over ``takes[i]`` more prompt tokens of row ``rows[i]`` -> per row its last logits ``(V,)``, or
+        with ``every_token`` its chunk's ``(takes[i], V)``."""
+        seqs = [self.seqs[r] for r in rows]
+        self._grow(rows, [s.num_computed + n for s, n in zip(seqs, takes)])
+        ctx = build_step(seqs, takes, self.block_size, self.device, block_tables=self.block_table_dev[rows],
+                         all_logits=every_token)
+        out = self.runner.step(ctx)
+        for seq, n in zip(seqs, takes):
+            seq.num_computed += n
+        return list(out.split(takes)) if every_token else list(out)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (``tokens: (B,)`` on the device) -> logits ``(B, V)``. No host sync.
 
         Every row advances, finished ones too (their tokens are padding), as in HF's loop; pages are added on the
-        host as rows cross page boundaries, positions advance on the device.
+        host as rows cross page boundaries.
         """
-        self.lengths = [n + 1 for n in self.lengths]
-        self._grow(range(len(self.prompts)), self.lengths)
-        out = self.runner.decode(tokens, self.positions, self.block_table_dev)
-        self.positions += 1
+        self._grow(range(len(self.seqs)), [s.num_computed + 1 for s in self.seqs])
+        ctx = build_step(self.seqs, [1] * len(self.seqs), self.block_size, self.device, input_ids=tokens,
+                         block_tables=self.block_table_dev)
+        out = self.runner.step(ctx)
+        for seq in self.seqs:
+            seq.num_computed += 1
         return out
 
     def decode_in_graph(self, graph_buf, tokens: torch.Tensor, eos: torch.Tensor, steps: int, stops: LateStops) -> int:
@@ -157,12 +166,12 @@ class SequenceBatch:
         Returns:
             How many steps the device ran (at most one ring past the step generation ended in).
         """
-        rows = len(self.prompts)
+        rows = len(self.seqs)
         graph, buf = graph_buf
         width = self.block_table_dev.shape[1]
         buf["input_ids"][:rows].copy_(tokens)
         buf["positions"].fill_(-1)
-        buf["positions"][:rows].copy_(self.positions)
+        buf["positions"][:rows].copy_(to_device(torch.tensor([s.num_computed for s in self.seqs]), self.device))
         buf["unfinished"].zero_()
         buf["unfinished"][:rows].copy_(stops.device_flags())
         buf["eos"].fill_(-1)
@@ -173,8 +182,8 @@ class SequenceBatch:
         queued, ran = [], 0
         while ran < steps and not stops.done:
             n = min(GREEDY_RING, steps - ran)
-            self.lengths = [length + n for length in self.lengths]
-            if self._grow(range(rows), self.lengths):  # pages for the whole ring, before its first replay
+            # pages for the whole ring, before its first replay
+            if self._grow(range(rows), [s.num_computed + ran + n for s in self.seqs]):
                 buf["block_tables"][:rows, :width].copy_(self.block_table_dev)
             for _ in range(n):
                 graph.replay()
@@ -188,7 +197,8 @@ class SequenceBatch:
                 self._take_ring(*queued.pop(0), stops, buf["unfinished"][:rows])
         for ring, event in queued:
             self._take_ring(ring, event, stops, buf["unfinished"][:rows])
-        self.positions += ran
+        for seq in self.seqs:
+            seq.num_computed += ran
         return ran
 
     @staticmethod

@@ -185,12 +185,12 @@ def test_pages_cover_tokens_with_under_one_page_slack():
     batch = SequenceBatch(state_of(fast).runner, ids, mask, max_length=64)
     batch.prefill()
     p = batch.block_size
-    for n, seq in zip(batch.lengths, batch.blocks):
-        assert n <= len(seq.blocks) * p < n + p
-    pool = state_of(fast).runner.cache.allocator
+    for n, seq in zip((5, 17, 33), batch.seqs):
+        assert seq.num_computed == n and n <= len(seq.blocks) * p < n + p
+    pool = state_of(fast).runner.cache.blocks
     before = pool.num_free
     batch.release()
-    assert pool.num_free == before + sum(len(-(-n // p) * [0]) for n in (5, 17, 33))
+    assert pool.num_free == before + sum(-(-n // p) for n in (5, 17, 33))
 
 
 def test_graph_loop_eligibility():

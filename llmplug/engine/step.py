@@ -1,0 +1,123 @@
+"""One step of the model, described in one place: which tokens of which sequences it computes, packed for the runner.
+
+Every front end (``generate``, the Engine, scoring) builds its steps with :func:`build_step`. A step is *uniform* when
+every sequence computes the same number of new tokens ``Q`` (``1``: a decode; ``1 + k``: a speculative verify): its
+positions, KV slots and lengths then follow on the device from each row's first position and its pages
+(:func:`uniform_metadata`), so a CUDA graph keyed by (rows bucket, ``Q``) replays it. Any other step is *packed*: its
+metadata is built here on the host.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.decode_slots import decode_slots
+from .metadata import AttentionMetadata
+
+
+@dataclass
+class StepContext:
+    """A forward over ``B`` sequences packed into ``T`` token rows; tensors on the model's device.
+
+    Attributes:
+        input_ids: ``(T,) int64``.
+        block_tables: ``(B, M) int32`` page ids of each sequence.
+        query_len: new tokens of every row of a uniform step (``T == B * query_len``); 0 when rows differ.
+        positions: uniform: ``(B,) int64`` position of each row's first new token (-1: a padding row); packed:
+            ``(T,)`` of every token.
+        meta: packed: the step's :class:`AttentionMetadata`; uniform: None (:func:`uniform_metadata` derives it).
+        logits_indices: ``(R,)`` token rows whose logits the step returns; None: every row.
+        row_starts: host ints, ``(B,)`` the first token row of each sequence.
+    """
+
+    input_ids: torch.Tensor
+    block_tables: torch.Tensor
+    query_len: int
+    positions: torch.Tensor
+    meta: AttentionMetadata | None
+    logits_indices: torch.Tensor | None
+    row_starts: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return self.block_tables.shape[0]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without blocking the host (through pinned memory on CUDA)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def block_table(blocks: list[list[int]], device: torch.device) -> torch.Tensor:
+    """``(B, longest)`` int32 page ids of each sequence (``blocks[b]``), zero-padded, on ``device``."""
+    width = max(map(len, blocks))
+    return to_device(torch.tensor([b + [0] * (width - len(b)) for b in blocks], dtype=torch.int32), device)
+
+
+def uniform_metadata(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                     query_len: int) -> tuple[torch.Tensor, AttentionMetadata]:
+    """A uniform step's metadata from device tensors alone: ``positions (B,)`` of each row's first new token (-1:
+    padding), ``block_tables (B, M)`` -> ``(positions (B*Q,) clamped at 0, metadata)``. Decode steps (``Q == 1``)
+    attend on the decode kernel, longer queries on the prefill kernel (each row's context is its cached tokens)."""
+    token_positions, slots, seq_lens = decode_slots(positions, block_tables, block_size, query_len)
+    if query_len == 1:
+        return token_positions, AttentionMetadata(query_len=1, slot_mapping=slots, block_tables=block_tables,
+                                                  seq_lens=seq_lens)
+    rows = block_tables.shape[0]
+    cu = torch.arange(0, (rows + 1) * query_len, query_len, dtype=torch.int32, device=positions.device)
+    context = (seq_lens - query_len).clamp_(min=0)
+    return token_positions, AttentionMetadata(query_len=query_len, slot_mapping=slots, block_tables=block_tables,
+                                              cu_seqlens_q=cu, context_lens=context, max_seqlen_q=query_len)
+
+
+def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, *,
+               input_ids: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+               all_logits: bool = False) -> StepContext:
+    """Pack ``seqs[i]``'s next ``num_new[i]`` tokens (from position ``seqs[i].num_computed``) into one step.
+
+    Args:
+        seqs: objects with ``tokens`` (list of ids), ``num_computed`` and ``blocks`` (their page ids, enough for the
+            step's tokens): the Engine's :class:`~llmplug.engine.request.Sequence`.
+        num_new: tokens each sequence computes (>= 1).
+        input_ids: ``(T,)`` the step's token ids already on the device (e.g. tokens the device just chose); None
+            reads them from ``seqs[i].tokens``.
+        block_tables: ``(B, M)`` the sequences' page table already on the device; None builds it.
+        all_logits: return every token's logits (verification, scoring); else each sequence's last token's.
+
+    Returns:
+        The :class:`StepContext`.
+    """
+    rows = len(seqs)
+    tables = block_tables if block_tables is not None else block_table([s.blocks for s in seqs], device)
+    uniform = num_new[0] if all(n == num_new[0] for n in num_new) else 0
+    starts = list(itertools.accumulate(num_new, initial=0))
+    firsts = [s.num_computed for s in seqs]
+    ids = [] if input_ids is not None else list(itertools.chain.from_iterable(
+        s.tokens[c:c + n] for s, c, n in zip(seqs, firsts, num_new)))
+    if uniform:
+        small = to_device(torch.tensor(firsts + ids, dtype=torch.long), device)
+        last = None
+        if not all_logits and uniform > 1:
+            last = torch.arange(uniform - 1, rows * uniform, uniform, device=device)
+        return StepContext(input_ids if input_ids is not None else small[rows:], tables, uniform, small[:rows], None,
+                           last, starts[:-1])
+    lens = torch.tensor(num_new, dtype=torch.long)
+    cu = torch.tensor(starts, dtype=torch.long)
+    first = torch.tensor(firsts, dtype=torch.long)
+    row = torch.repeat_interleave(torch.arange(rows), lens)
+    positions = torch.arange(starts[-1]) - cu[:-1][row] + first[row]
+    host_ids = torch.tensor(ids, dtype=torch.long) if input_ids is None else torch.zeros_like(positions)
+    host_ids, positions, row = to_device(torch.stack([host_ids, positions, row]), device)
+    small = to_device(torch.cat([cu, first]), device)
+    cu_dev, first_dev = small[:rows + 1], small[rows + 1:]
+    slots = tables[row, positions // block_size].long() * block_size + positions % block_size
+    nd = next((i for i, n in enumerate(num_new) if n != 1), rows)  # leading one-token rows: the decode kernel's
+    context = first_dev.to(torch.int32)
+    meta = AttentionMetadata(query_len=0, slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu_dev.to(torch.int32),
+                             context_lens=context, max_seqlen_q=max(num_new[nd:], default=1), num_decodes=nd,
+                             seq_lens=context[:nd] + 1)
+    return StepContext(input_ids if input_ids is not None else host_ids, tables, 0, positions, meta,
+                       None if all_logits else cu_dev[1:] - 1, starts[:-1])

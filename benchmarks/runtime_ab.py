@@ -24,6 +24,7 @@ from llmplug.bench.shapes import build, weight_bytes
 
 
 def measure(name: str, batches: list[int], repeats: int, ceil: dict) -> list[dict]:
+    torch.manual_seed(0)  # the same random weights in every tree's process
     model = llmplug.optimize(build(name, torch.bfloat16, "cuda"))
     roofline = ceil["read_bytes_per_s"] / weight_bytes(model)
     rows = []

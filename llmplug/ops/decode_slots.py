@@ -34,8 +34,10 @@ def decode_slots_ref(positions: torch.Tensor, block_tables: torch.Tensor, block_
 if triton is not None:
 
     @triton.jit
-    def _decode_slots_kernel(pos_ptr, bt_ptr, clamped_ptr, slots_ptr, lens_ptr, T, stride_bt, PAGE: tl.constexpr,
-                             Q: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _decode_slots_kernel(pos_ptr, bt_ptr, clamped_ptr, slots_ptr, lens_ptr, T, stride_bt, Q, PAGE: tl.constexpr,
+                             BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # Q is a runtime int: Triton specialises Q == 1 (decode) by itself, and a prefill chunk of a new length must
+        # not compile a kernel mid-serving
         wait_inputs(PDL)
         tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = tokens < T
@@ -59,9 +61,9 @@ def _decode_slots_op(positions: torch.Tensor, block_tables: torch.Tensor, block_
     clamped = positions.new_empty(tokens)
     slots = positions.new_empty(tokens)
     lens = torch.empty(rows, dtype=torch.int32, device=positions.device)
-    block = min(1024, next_pow2(tokens))
+    block = min(1024, next_pow2(tokens)) if query_len == 1 else 1024  # one variant for every longer query
     maybe_wrap(_decode_slots_kernel)[(triton.cdiv(tokens, block),)](
-        positions, block_tables, clamped, slots, lens, tokens, block_tables.stride(0), PAGE=block_size, Q=query_len,
+        positions, block_tables, clamped, slots, lens, tokens, block_tables.stride(0), query_len, PAGE=block_size,
         BLOCK=block, num_warps=1, **pdl_options(positions))
     return clamped, slots, lens
 

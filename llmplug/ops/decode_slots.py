@@ -33,11 +33,11 @@ def decode_slots_ref(positions: torch.Tensor, block_tables: torch.Tensor, block_
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "Q"])
     def _decode_slots_kernel(pos_ptr, bt_ptr, clamped_ptr, slots_ptr, lens_ptr, T, stride_bt, Q, PAGE: tl.constexpr,
                              BLOCK: tl.constexpr, PDL: tl.constexpr):
-        # Q is a runtime int: Triton specialises Q == 1 (decode) by itself, and a prefill chunk of a new length must
-        # not compile a kernel mid-serving
+        # T and Q are not specialised (on 1 or on multiples of 16): a step of a new shape must never compile a
+        # variant mid-serving (H100 Engine runs showed 15-650 ms stalls)
         wait_inputs(PDL)
         tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = tokens < T

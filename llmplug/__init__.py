@@ -7,6 +7,9 @@
     llmplug.save_quantized(model, "out/")                      # safetensors; llmplug.from_quantized("out/") or
                                                                # AutoModelForCausalLM.from_pretrained("out/")
 
+    out = model.generate(**inputs, prompt_lookup_num_tokens=4)  # speculative, any batch size (or assistant_model=)
+    llmplug.spec_stats(model)                                  # its acceptance rate and tokens a step
+
     engine = llmplug.Engine(model, tokenizer=tokenizer)        # continuous batching
     outputs = engine.generate(prompts, llmplug.SamplingParams(max_new_tokens=128))
 """
@@ -19,8 +22,10 @@ from .engine.request import CompletionOutput, RequestOutput, StreamDelta
 from .engine.scoring import logits
 from .errors import KVCacheFullError, UnsupportedModelError
 from .quant import LlmplugQuantConfig, QuantLinear, from_gptq_awq, from_quantized, quantize, save_quantized
+from .spec.stats import spec_stats
 
 __all__ = ["CompletionOutput", "Engine", "EngineConfig", "KVCacheFullError", "LlmplugQuantConfig", "OptimizeConfig",
            "QuantLinear", "RequestOutput", "SamplingParams", "StreamDelta", "UnsupportedModelError", "from_gptq_awq",
-           "from_quantized", "is_optimized", "logits", "optimize", "quantize", "save_quantized", "unoptimize"]
+           "from_quantized", "is_optimized", "logits", "optimize", "quantize", "save_quantized", "spec_stats",
+           "unoptimize"]
 __version__ = "0.1.0"

@@ -39,12 +39,15 @@ class LlmplugState:
         step_lock: held by whoever drives the runner (a ``generate`` call for its whole loop, an engine for each
             step), so ``generate``, a user's :class:`Engine` and the ``generate_batch`` engine never interleave.
         engine: the engine of ``generate_batch`` / ``init_continuous_batching``, made on first use.
+        spec_stats: what speculative decoding did in the last ``generate`` call that used it
+            (:class:`~llmplug.spec.decode.SpecStats`), None before.
     """
 
     runner: ModelRunner
     undo: UndoLog
     step_lock: threading.RLock = field(default_factory=threading.RLock)
     engine: Engine | None = None
+    spec_stats: object | None = None
 
     @property
     def config(self) -> OptimizeConfig:

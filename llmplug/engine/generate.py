@@ -26,6 +26,7 @@ from transformers.generation import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..state import current_state, require_state
+from .generate_spec import draft_tokens, prepare_draft, speculate
 from .hf_cache import CACHE_FIELD, fill_hf_cache
 from .late_stops import LateStops, host_criteria
 from .runner import MAX_EOS, ModelRunner
@@ -58,16 +59,18 @@ def _move_stop_strings(config, kwargs: dict) -> None:
 
 def _fallback_reason(model, config, kwargs: dict) -> str | None:
     """Why this call must run on stock HF generate, or None (the reasons known before HF prepares the inputs)."""
-    for name in ("assistant_model", "past_key_values", "cache", "inputs_embeds", "custom_generate", "synced_gpus",
+    for name in ("past_key_values", "cache", "inputs_embeds", "custom_generate", "synced_gpus",
                  "negative_prompt_ids", "position_ids", "cache_position"):
         if kwargs.get(name) is not None:
             return name
     extra = sorted(k for k in kwargs if k not in _KNOWN_KWARGS and not hasattr(model.generation_config, k)
                    and k not in ("inputs", "generation_config", "logits_processor", "stopping_criteria", "streamer",
-                                 "prefix_allowed_tokens_fn"))
+                                 "prefix_allowed_tokens_fn", "assistant_model"))
     if extra:
         return ", ".join(extra)
     mode = config.get_generation_mode(None)
+    if mode is GenerationMode.ASSISTED_GENERATION:  # prompt lookup: speculation over greedy or sampling
+        mode = GenerationMode.SAMPLE if config.do_sample else GenerationMode.GREEDY_SEARCH
     if mode not in _SUPPORTED_MODES:
         return f"{mode.value} (num_beams={config.num_beams})" if config.num_beams > 1 else mode.value
     for flag in ("output_attentions", "output_hidden_states"):
@@ -98,6 +101,21 @@ def _loop_fallback_reason(attention_mask: torch.Tensor | None, max_length: int,
         return "length", (f"max_length={max_length} beyond max_model_len={runner.max_model_len} "
                           f"({runner.max_model_len_source}; raise it with llmplug.optimize(model, max_model_len=...))")
     return None
+
+
+def _speculation(generation_config, assistant, possible: bool, runner: ModelRunner) -> int | None:
+    """Draft tokens a verify step may take for this call (None: no speculation). Speculation runs for plain greedy
+    decoding without a streamer or a returned cache; other calls decode without it (the same tokens, or the same
+    distribution), with a one-time warning."""
+    k = draft_tokens(generation_config, assistant)
+    if k is None:
+        return None
+    k = min(k, runner.max_model_len - generation_config.max_length)
+    if not possible or k < 1:
+        _warn_once("speculation", "llmplug speculates only for greedy decoding without logits processors, scores, a "
+                   "streamer or a returned cache; this call decodes without speculation (same tokens or distribution)")
+        return None
+    return k
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -165,19 +183,24 @@ def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
                    "transformers skips compilation too); llmplug decodes with its own CUDA graphs")
     if config.stop_strings is not None:
         _move_stop_strings(config, kwargs)
-    # HF hands a custom loop only the arguments its signature adds to ``_sample``'s, so the streamer is bound here
-    # (HF itself still puts the prompt into it) and ``tokenizer`` (for stop strings) is a parameter of the loop.
-    loop = functools.partial(_decode_loop, stream_to=kwargs.get("streamer"))
+    # HF hands a custom loop only the arguments its signature adds to ``_sample``'s, so the streamer and the draft
+    # model are bound here (HF itself still puts the prompt into the streamer) and ``tokenizer`` (for stop strings) is
+    # a parameter of the loop.
+    assistant = kwargs.pop("assistant_model", None)
+    if assistant is not None:
+        prepare_draft(assistant, model)
+    loop = functools.partial(_decode_loop, stream_to=kwargs.get("streamer"), assistant=assistant)
     with state.step_lock:  # no engine step runs on this model's runner meanwhile
         return GenerationMixin.generate(model, generation_config=generation_config, custom_generate=loop, **kwargs)
 
 
 @torch.inference_mode()
 def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
-                 stream_to=None, tokenizer=None, **model_kwargs):
+                 stream_to=None, assistant=None, tokenizer=None, **model_kwargs):
     """Mirror of HF's ``_sample`` loop over llmplug's paged runner. ``input_ids: (B, L)`` prepared by HF."""
     streamer = stream_to
-    runner = require_state(model).runner
+    state = require_state(model)
+    runner = state.runner
     prompt_mask = model_kwargs.get("attention_mask")
     fallback = _loop_fallback_reason(prompt_mask, generation_config.max_length, runner)
     if fallback is not None:  # HF prepared everything (cache included): its own loop takes over
@@ -195,7 +218,9 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
 
     plain_greedy = (not generation_config.do_sample and len(logits_processor) == 0 and scores is None
                     and raw_logits is None)
-    seqs = SequenceBatch(runner, input_ids, prompt_mask, generation_config.max_length)
+    spec_k = _speculation(generation_config, assistant, plain_greedy and streamer is None and not (
+        want_dict and model_kwargs.get(CACHE_FIELD) is not None), runner)
+    seqs = SequenceBatch(runner, input_ids, prompt_mask, generation_config.max_length + (spec_k or 0))
     # On CUDA without a streamer the host learns that every row finished one step late (HF's DeferredStopCheck
     # idea): it queues step n+1 before it waits for step n, so the GPU never idles on the host's bookkeeping.
     deferred = input_ids.device.type == "cuda" and streamer is None
@@ -237,6 +262,13 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
                     raw_logits = raw_logits[:-1] if raw_logits is not None else None
                     break
             if input_ids.shape[1] >= generation_config.max_length:
+                break
+            if spec_k:  # every later token comes from verify steps
+                if unfinished.any():
+                    new, state.spec_stats = speculate(seqs, spec_k, assistant, generation_config, input_ids,
+                                                      unfinished, stopping_criteria, pad, has_eos,
+                                                      input_ids[:, :prompt_width], prompt_mask)
+                    input_ids = torch.cat([input_ids, new.to(input_ids.device)], dim=-1)
                 break
             if not deferred:
                 if not unfinished.any():

@@ -97,6 +97,7 @@ def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     best = target_logits.argmax(-1)  # (B, K + 1)
     steps = torch.arange(k, device=best.device)
     ok = (best[:, :k] == draft_tokens) & (steps[None] < num_drafts[:, None])
-    kept = torch.where(~ok, steps[None], k).min(dim=1).values
+    stop = torch.cat([~ok, ok.new_ones(rows, 1)], dim=1)  # a sentinel mismatch after the last draft
+    kept = stop.to(torch.int8).argmax(dim=1)  # the first mismatch
     tokens = torch.where(torch.arange(k + 1, device=best.device)[None] <= kept[:, None], best, -1)
     return tokens, kept + 1

@@ -1,0 +1,97 @@
+"""Greedy speculative decoding of ``generate``'s rows: propose, verify ``1 + k`` tokens a row in one step, accept.
+
+Each step takes every row that still needs tokens, asks the proposer for drafts, and verifies them in one uniform
+step (:func:`~llmplug.engine.step.build_step`, a CUDA graph per (rows bucket, ``1 + k``)): a row keeps its drafts
+while they equal the target's argmax, then the target's own token, so the tokens are exactly greedy decoding's. A
+row's rejected drafts are never counted as computed, so the next step overwrites their KV slots. Rows advance by
+different amounts; HF's stop bookkeeping (:class:`~llmplug.engine.late_stops.LateStops`) runs over the columns every
+row has reached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.late_stops import LateStops
+from ..engine.step import build_step
+from .adaptive import AdaptiveK
+from .rejection import greedy_accept
+from .stats import SpecStats
+
+
+def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[int]], stops: LateStops,
+                       steps: int, eos: set[int]) -> SpecStats:
+    """Decode greedily with speculation until ``stops`` says generation ended.
+
+    Args:
+        seqs: the call's :class:`~llmplug.engine.sequences.SequenceBatch`, every row's KV computed up to (not
+            including) its last emitted token, pages sized for ``steps + policy.k_max`` more positions.
+        proposer: :class:`~llmplug.spec.proposers.NgramProposer`, :class:`~llmplug.spec.proposers.DraftModelProposer`
+            or anything with their ``propose``.
+        policy: chooses each step's draft count.
+        histories: per row its prompt and emitted tokens (host ints; extended in place).
+        stops: HF's bookkeeping from the row state after the last emitted token.
+        steps: most new tokens a row may get (the max-length limit).
+        eos: end-of-sequence ids (a row that emitted one needs no more tokens when HF pads finished rows).
+
+    Returns:
+        The call's :class:`SpecStats`; the kept tokens are in ``stops``.
+    """
+    rows = len(seqs)
+    pending: list[list[int]] = [[] for _ in range(rows)]  # emitted, not yet fed to ``stops``
+    produced = [0] * rows
+    ended = [False] * rows  # emitted an eos that HF will pad after
+    stats = SpecStats(per_row_steps=[0] * rows, per_row_emitted=[0] * rows)
+    device = seqs.device
+    while not stops.done:
+        # rows that still need tokens (without an eos criterion HF keeps finished rows' real tokens: they go on)
+        active = [r for r in range(rows) if produced[r] < steps and not ended[r]
+                  and (not stops.has_eos or bool(stops.unfinished[r]))]
+        if active:
+            _verify_step(seqs, proposer, policy, histories, active, steps, produced, pending, ended, eos, stats,
+                         device, stops.has_eos)
+        # feed the columns every row has: a row that needs nothing more is padded (HF pads or cuts it anyway)
+        waiting = [len(pending[r]) for r in active if produced[r] < steps and not ended[r]]
+        width = min(waiting) if waiting else max(map(len, pending))
+        if width == 0:
+            if not active:
+                raise RuntimeError("speculative decoding stalled: no row needs tokens but generation has not ended")
+            continue
+        chunk = torch.tensor([(p + [stops.pad] * width)[:width] for p in pending], dtype=torch.long)
+        for r in range(rows):
+            del pending[r][:width]
+        stops.feed(chunk)
+    return stats
+
+
+def _verify_step(seqs, proposer, policy, histories, active, steps, produced, pending, ended, eos, stats, device,
+                 has_eos) -> None:
+    k = min(policy.choose(len(active)), max(steps - produced[r] - 1 for r in active))
+    drafts = proposer.propose(active, histories, k) if k > 0 else [[] for _ in active]
+    drafts = [d[:max(0, min(k, steps - produced[r] - 1))] for r, d in zip(active, drafts)]
+    q = 1 + max(map(len, drafts))
+    filler = [d + [histories[r][-1]] * (q - 1 - len(d)) for r, d in zip(active, drafts)]  # verified like drafts
+    ids = torch.tensor([[histories[r][-1]] + f for r, f in zip(active, filler)], dtype=torch.long)
+    sub = [seqs.seqs[r] for r in active]
+    seqs._grow(active, [s.num_computed + q for s in sub])
+    tables = seqs.block_table_dev[active] if len(active) < len(seqs) else seqs.block_table_dev
+    ctx = build_step(sub, [q] * len(sub), seqs.block_size, device, input_ids=ids.reshape(-1).to(device),
+                     block_tables=tables, all_logits=True)
+    logits = seqs.runner.step(ctx).view(len(active), q, -1)
+    counts = torch.tensor([len(d) for d in drafts], device=device)
+    tokens, emitted = greedy_accept(logits, ids[:, 1:].to(device), counts)
+    tokens, emitted = tokens.tolist(), emitted.tolist()
+    policy.record(sum(len(d) for d in drafts), sum(n - 1 for n in emitted))
+    stats.steps += 1
+    for r, seq, row_tokens, n, d in zip(active, sub, tokens, emitted, drafts):
+        new = row_tokens[:min(n, steps - produced[r])]
+        seq.num_computed += n  # the last token and the accepted drafts; the rest's KV slots are free again
+        histories[r].extend(new)
+        pending[r].extend(new)
+        produced[r] += len(new)
+        ended[r] = ended[r] or (has_eos and any(t in eos for t in new))
+        stats.drafted += len(d)
+        stats.accepted += n - 1
+        stats.emitted += len(new)
+        stats.per_row_steps[r] += 1
+        stats.per_row_emitted[r] += len(new)

@@ -1,0 +1,78 @@
+"""Proposers of draft tokens for speculative decoding, behind one interface.
+
+A proposer sees each row's history (prompt and every token emitted so far, host ints) and returns up to ``k`` draft
+tokens for some of the rows. Verification keeps only drafts the target itself would have emitted, so a proposer
+affects speed, never the output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ngram import propose_ngram
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens after the latest earlier occurrence of the row's last ``max_ngram`` .. ``min_ngram``
+    tokens (:func:`~llmplug.spec.ngram.propose_ngram`); rows without a match get no drafts."""
+
+    def __init__(self, max_ngram: int = 2, min_ngram: int = 1) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, rows: list[int], histories: list[list[int]], k: int) -> list[list[int]]:
+        """Drafts for ``rows`` (indices into ``histories``): one list of at most ``k`` ids per row."""
+        return [propose_ngram(torch.tensor(histories[r]), k, self.max_ngram, self.min_ngram).tolist() for r in rows]
+
+    def release(self) -> None:
+        """Nothing to give back."""
+
+
+class DraftModelProposer:
+    """A smaller causal LM with the target's tokenizer, greedy, on llmplug with its own paged KV.
+
+    Each row's draft KV follows the row's history: before proposing, the row keeps the KV of the longest prefix its
+    last proposal and the history share (accepted drafts keep theirs), feeds the rest in one step, then runs ``k - 1``
+    decode steps whose tokens stay on the device until the drafts are read once.
+
+    Args:
+        batch: the draft's :class:`~llmplug.engine.sequences.SequenceBatch` over the same prompts, not prefilled yet
+            (its pages sized for every position a row can reach).
+    """
+
+    def __init__(self, batch) -> None:
+        self.batch = batch
+        batch.prefill()  # the prompts, in chunks of max_prefill_tokens
+        self._fed = [list(s.tokens) for s in batch.seqs]  # tokens the draft holds KV for (or is computing), per row
+
+    def propose(self, rows: list[int], histories: list[list[int]], k: int) -> list[list[int]]:
+        """Greedy drafts of the draft model: ``k`` ids for each of ``rows``."""
+        from ..engine.step import build_step
+
+        batch = self.batch
+        seqs = [batch.seqs[r] for r in rows]
+        for r, seq in zip(rows, seqs):
+            history, fed = histories[r], self._fed[r]
+            same = next((i for i, (a, b) in enumerate(zip(history, fed)) if a != b), min(len(history), len(fed)))
+            seq.num_computed = min(seq.num_computed, same, len(history) - 1)
+            seq.tokens = list(history)
+        num_new = [s.num_tokens - s.num_computed for s in seqs]
+        batch._grow(rows, [s.num_tokens + k - 1 for s in seqs])
+        tables = batch.block_table_dev[rows] if len(rows) < len(batch.seqs) else batch.block_table_dev
+        ctx = build_step(seqs, num_new, batch.block_size, batch.device, block_tables=tables)
+        tokens = [batch.runner.step(ctx).argmax(-1)]
+        for seq, n in zip(seqs, num_new):
+            seq.num_computed += n
+        for _ in range(k - 1):
+            ctx = build_step(seqs, [1] * len(seqs), batch.block_size, batch.device, input_ids=tokens[-1],
+                             block_tables=tables)
+            tokens.append(batch.runner.step(ctx).argmax(-1))
+            for seq in seqs:
+                seq.num_computed += 1
+        drafts = torch.stack(tokens, dim=1).tolist()
+        for r, d in zip(rows, drafts):
+            self._fed[r] = histories[r] + d[:-1]
+        return drafts
+
+    def release(self) -> None:
+        """Give the draft's pages back."""
+        self.batch.release()

@@ -1,0 +1,143 @@
+"""Speculative ``generate`` (prompt lookup and a draft model) at any batch size: the tokens of plain greedy decoding,
+stock HF's, whatever the proposer (fp32 CPU, references)."""
+
+import copy
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import llmplug
+from llmplug.engine import generate_spec
+from llmplug.spec.adaptive import AdaptiveK, expected_tokens
+from llmplug.state import state_of
+from tests.tiny_models import make_model, pad, prompts, reference_kernels
+
+
+@pytest.fixture(autouse=True)
+def _references(monkeypatch):
+    # as on a GPU, where a step stays weight-bound: speculate at every step (a CPU's cost model would mostly say no)
+    monkeypatch.setitem(generate_spec.RIDGE_TOKENS, "cpu", 1e9)
+    with reference_kernels():
+        yield
+
+
+def _pair(family="llama", **text):
+    stock = make_model(family, **text)
+    fast = make_model(family, **text)
+    fast.load_state_dict(stock.state_dict())
+    return stock, llmplug.optimize(fast)
+
+
+def _echo_prompts(n=4):
+    """Prompts that repeat a span, of different lengths, so prompt lookup finds matches."""
+    return [p + p[: 3 + i] for i, p in enumerate(prompts(n, lengths=(6, 13, 4, 9)))]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_prompt_lookup_equals_greedy(family, k):
+    stock, fast = _pair(family)
+    ids, mask = pad(_echo_prompts())
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    expected = stock.generate(**kw)
+    got = fast.generate(**kw, prompt_lookup_num_tokens=k, max_matching_ngram_size=2)
+    assert torch.equal(got, expected)
+    stats = llmplug.spec_stats(fast)
+    assert stats.steps > 0 and stats.drafted > 0 and stats.accepted <= stats.drafted
+    assert stats.steps < stats.emitted or k == 1  # some steps emitted several tokens
+
+
+def test_prompt_lookup_accepts_on_repetitive_text():
+    """A model that repeats its input token (tied embeddings, layers scaled down so the residual stream is the token's
+    embedding): prompt lookup predicts it, most drafts are accepted, and steps emit several tokens each."""
+    stock, fast = _pair("llama", tie_word_embeddings=True)
+    for model in (stock, fast):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() >= 2 and "embed" not in name and "lm_head" not in name:
+                    p.mul_(0.01)
+    llmplug.unoptimize(fast)
+    llmplug.optimize(fast)
+    ids, mask = pad(_echo_prompts(2))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
+    assert torch.equal(fast.generate(**kw, prompt_lookup_num_tokens=4), stock.generate(**kw))
+    stats = llmplug.spec_stats(fast)
+    assert stats.acceptance_rate > 0.5 and stats.tokens_per_step > 1.5
+
+
+@pytest.mark.parametrize("same_weights", [True, False])
+def test_draft_model_equals_greedy(same_weights):
+    stock, fast = _pair("llama")
+    draft = copy.deepcopy(stock) if same_weights else make_model("llama", num_hidden_layers=1)
+    ids, mask = pad(prompts(3, lengths=(5, 17, 9)))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    expected = stock.generate(**kw)
+    got = fast.generate(**kw, assistant_model=draft, num_assistant_tokens=4)
+    assert torch.equal(got, expected)
+    stats = llmplug.spec_stats(fast)
+    assert stats.drafted > 0
+    if same_weights:  # the target's own greedy tokens: every draft is accepted
+        assert stats.accepted == stats.drafted and stats.tokens_per_step > 2
+    assert state_of(draft) is not None and state_of(draft).runner.cache.blocks.num_used == 0  # pages returned
+
+
+def test_eos_and_stopping_criteria_as_stock():
+    """Rows end at different steps on an eos id (then emit pad) and on a user criterion, exactly as stock's loop."""
+    stock, fast = _pair("llama")
+    ids, mask = pad(_echo_prompts())
+    plain = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    eos = int(plain[1, ids.shape[1] + 6])  # row 1's seventh new token
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == int(plain[2, ids.shape[1] + 3])
+
+    for extra in (dict(eos_token_id=eos, pad_token_id=0), dict(stopping_criteria=StoppingCriteriaList([StopAfter()])),
+                  dict(eos_token_id=eos, pad_token_id=0, stopping_criteria=StoppingCriteriaList([StopAfter()]))):
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, **extra)
+        assert torch.equal(fast.generate(**kw, prompt_lookup_num_tokens=3), stock.generate(**kw)), extra
+
+
+@pytest.mark.parametrize("new_tokens", [1, 2, 3])
+def test_short_generations(new_tokens):
+    stock, fast = _pair("llama")
+    ids, mask = pad(_echo_prompts())
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    assert torch.equal(fast.generate(**kw, prompt_lookup_num_tokens=5), stock.generate(**kw))
+
+
+def test_calls_speculation_cannot_take_decode_without_it():
+    """Sampling, processors and a streamer keep llmplug's usual loop (same tokens or distribution), with a warning."""
+    stock, fast = _pair("llama")
+    ids, mask = pad(_echo_prompts())
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, repetition_penalty=1.3)
+    with pytest.warns(UserWarning, match="speculates only"):
+        got = fast.generate(**kw, prompt_lookup_num_tokens=3)
+    assert torch.equal(got, stock.generate(**kw))
+
+
+def test_bad_draft_model():
+    _, fast = _pair("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(TypeError, match="assistant_model must be"):
+        fast.generate(input_ids=ids, assistant_model="small-model", max_new_tokens=3)
+    big = make_model("llama", vocab_size=256)
+    with pytest.raises(ValueError, match="share the model's tokenizer"):
+        fast.generate(input_ids=ids, assistant_model=big, max_new_tokens=3)
+
+
+def test_adaptive_k():
+    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
+    assert expected_tokens(1.0, 4) == 5.0
+    policy = AdaptiveK(4, ridge=256.0)
+    assert policy.choose(1) == 4  # weight-bound: a longer step costs only its overhead
+    for _ in range(40):
+        policy.record(drafted=4, accepted=0)
+    assert policy.alpha < 0.01 and policy.choose(1) == 0  # nothing accepted: off
+    assert [policy.choose(1) for _ in range(15)].count(4) == 1  # ... with one probe every 16 steps
+    policy = AdaptiveK(4, ridge=256.0)
+    for _ in range(40):
+        policy.record(drafted=4, accepted=3)
+    assert policy.choose(1) == 4 and 0 < policy.choose(128) < 4  # nearly compute-bound: fewer drafts pay
+    assert policy.choose(512) == 0  # compute-bound already: every draft costs its full share

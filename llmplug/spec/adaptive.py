@@ -5,8 +5,9 @@ With per-draft acceptance ``a``, a step verifying ``k`` drafts emits ``(1 - a^(k
 read: ``max(1, T / ridge)`` for ``T`` tokens, where ``ridge`` is the token count at which the matmuls' work catches up
 with the weight read (the GPU's FLOP rate over its bandwidth, ~300 tokens on an H100 in bf16; a CPU is compute-bound
 almost at once). A fixed ``overhead`` stands for what a verify step costs beyond that (attention over ``1 + k``
-queries, the host's acceptance check). ``k = 0`` turns speculation off; acceptance is re-probed every
-``probe_every`` steps so a turn for the better is noticed.
+queries, the host's acceptance check). ``k = 0`` turns speculation off for a block of ``probe_every`` plain decode
+steps (on CUDA one replay of the greedy graph each, read once), then one verify step at ``k_max`` probes acceptance
+again, so a turn for the better is noticed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class AdaptiveK:
         ridge: tokens a step computes before it becomes compute-bound.
         overhead: relative extra cost of any verify step over a plain decode step.
         prior: acceptance assumed before anything is measured.
-        probe_every: plain steps between two probes at ``k_max`` while speculation is off.
+        probe_every: tokens of the block of plain decode steps between two probes at ``k_max`` while speculation is
+            off.
     """
 
     def __init__(self, k_max: int, ridge: float, overhead: float = 0.08, prior: float = 0.6,
@@ -36,7 +38,7 @@ class AdaptiveK:
         self.drafted = 0.0
         self.accepted = 0.0
         self.prior = prior
-        self._off_steps = 0
+        self._probe_next = False
 
     @property
     def alpha(self) -> float:
@@ -58,9 +60,7 @@ class AdaptiveK:
             value = expected_tokens(self.alpha, k) / cost
             if value > best:
                 best_k, best = k, value
-        if best_k == 0:
-            self._off_steps += 1
-            if self._off_steps >= self.probe_every:
-                self._off_steps = 0
-                return self.k_max
+        if best_k == 0:  # off: a block of plain steps (``probe_every`` tokens), then one probe at k_max
+            self._probe_next = not self._probe_next
+            return self.k_max if not self._probe_next else 0
         return best_k

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..engine.late_stops import LateStops
-from ..engine.step import build_step
+from ..engine.runner import GREEDY_RING
+from ..engine.step import build_step, to_device
 from .adaptive import AdaptiveK
 from .rejection import greedy_accept
 from .stats import SpecStats
@@ -48,8 +49,13 @@ def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[i
         active = [r for r in range(rows) if produced[r] < steps and not ended[r]
                   and (not stops.has_eos or bool(stops.unfinished[r]))]
         if active:
-            _verify_step(seqs, proposer, policy, histories, active, steps, produced, pending, ended, eos, stats,
-                         device, stops.has_eos)
+            k = min(policy.choose(len(active)), max(steps - produced[r] - 1 for r in active))
+            if k > 0:
+                _verify_step(seqs, proposer, policy, k, histories, active, steps, produced, pending, ended, eos,
+                             stats, device, stops.has_eos)
+            else:
+                _plain_steps(seqs, policy.probe_every, histories, active, steps, produced, pending, ended, eos,
+                             stats, device, stops.has_eos)
         # feed the columns every row has: a row that needs nothing more is padded (HF pads or cuts it anyway)
         waiting = [len(pending[r]) for r in active if produced[r] < steps and not ended[r]]
         width = min(waiting) if waiting else max(map(len, pending))
@@ -64,9 +70,54 @@ def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[i
     return stats
 
 
-def _verify_step(seqs, proposer, policy, histories, active, steps, produced, pending, ended, eos, stats, device,
+def _plain_steps(seqs, n, histories, active, steps, produced, pending, ended, eos, stats, device, has_eos) -> None:
+    """Up to ``n`` decode steps of the ``active`` rows without drafts: on CUDA ``n`` replays of the greedy graph
+    (tokens fed back on the device, read once at the end), elsewhere one step at a time."""
+    n = min(n, GREEDY_RING, min(steps - produced[r] for r in active))  # no row computes past its limit
+    sub = [seqs.seqs[r] for r in active]
+    graph_buf = seqs.runner.greedy_graph(len(active))
+    if graph_buf is None:
+        for _ in range(n):
+            _verify_step(seqs, None, None, 0, histories, active, steps, produced, pending, ended, eos, stats, device,
+                         has_eos)
+        return
+    graph, buf = graph_buf
+    rows = len(active)
+    seqs._grow(active, [s.num_computed + n for s in sub])
+    tables = seqs.block_table_dev[active] if rows < len(seqs) else seqs.block_table_dev
+    host = torch.tensor([[histories[r][-1] for r in active], [s.num_computed for s in sub]], dtype=torch.long)
+    first = to_device(host, device)
+    buf["input_ids"][:rows].copy_(first[0])
+    buf["positions"].fill_(-1)
+    buf["positions"][:rows].copy_(first[1])
+    buf["unfinished"].fill_(True)  # stops are HF's bookkeeping's business, on the host
+    buf["eos"].fill_(-1)
+    buf["counters"].zero_()
+    buf["block_tables"][:rows, :tables.shape[1]].copy_(tables)
+    for _ in range(n):
+        graph.replay()
+    ring = buf["ring"][:rows, :n].tolist()
+    stats.steps += n
+    for r, seq, row_tokens in zip(active, sub, ring):
+        seq.num_computed += n
+        _emit(r, row_tokens, 0, n, steps, produced, histories, pending, ended, eos, stats, has_eos)
+
+
+def _emit(r, row_tokens, drafted, steps_taken, steps, produced, histories, pending, ended, eos, stats,
+          has_eos) -> None:
+    new = row_tokens[:steps - produced[r]]
+    histories[r].extend(new)
+    pending[r].extend(new)
+    produced[r] += len(new)
+    ended[r] = ended[r] or (has_eos and any(t in eos for t in new))
+    stats.drafted += drafted
+    stats.emitted += len(new)
+    stats.per_row_steps[r] += steps_taken
+    stats.per_row_emitted[r] += len(new)
+
+
+def _verify_step(seqs, proposer, policy, k, histories, active, steps, produced, pending, ended, eos, stats, device,
                  has_eos) -> None:
-    k = min(policy.choose(len(active)), max(steps - produced[r] - 1 for r in active))
     drafts = proposer.propose(active, histories, k) if k > 0 else [[] for _ in active]
     drafts = [d[:max(0, min(k, steps - produced[r] - 1))] for r, d in zip(active, drafts)]
     q = 1 + max(map(len, drafts))
@@ -81,17 +132,10 @@ def _verify_step(seqs, proposer, policy, histories, active, steps, produced, pen
     counts = torch.tensor([len(d) for d in drafts], device=device)
     tokens, emitted = greedy_accept(logits, ids[:, 1:].to(device), counts)
     tokens, emitted = tokens.tolist(), emitted.tolist()
-    policy.record(sum(len(d) for d in drafts), sum(n - 1 for n in emitted))
+    if policy is not None:
+        policy.record(sum(len(d) for d in drafts), sum(n - 1 for n in emitted))
     stats.steps += 1
     for r, seq, row_tokens, n, d in zip(active, sub, tokens, emitted, drafts):
-        new = row_tokens[:min(n, steps - produced[r])]
         seq.num_computed += n  # the last token and the accepted drafts; the rest's KV slots are free again
-        histories[r].extend(new)
-        pending[r].extend(new)
-        produced[r] += len(new)
-        ended[r] = ended[r] or (has_eos and any(t in eos for t in new))
-        stats.drafted += len(d)
         stats.accepted += n - 1
-        stats.emitted += len(new)
-        stats.per_row_steps[r] += 1
-        stats.per_row_emitted[r] += len(new)
+        _emit(r, row_tokens[:n], len(d), 1, steps, produced, histories, pending, ended, eos, stats, has_eos)

@@ -134,10 +134,32 @@ def test_adaptive_k():
     assert policy.choose(1) == 4  # weight-bound: a longer step costs only its overhead
     for _ in range(40):
         policy.record(drafted=4, accepted=0)
-    assert policy.alpha < 0.01 and policy.choose(1) == 0  # nothing accepted: off
-    assert [policy.choose(1) for _ in range(15)].count(4) == 1  # ... with one probe every 16 steps
+    assert policy.alpha < 0.01 and policy.choose(1) == 0  # nothing accepted: off (a block of plain steps) ...
+    assert [policy.choose(1) for _ in range(6)] == [4, 0, 4, 0, 4, 0]  # ... then a probe, and so on
     policy = AdaptiveK(4, ridge=256.0)
     for _ in range(40):
         policy.record(drafted=4, accepted=3)
     assert policy.choose(1) == 4 and 0 < policy.choose(128) < 4  # nearly compute-bound: fewer drafts pay
     assert policy.choose(512) == 0  # compute-bound already: every draft costs its full share
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_speculation_on_cuda_graphs(family, monkeypatch):
+    """On CUDA (fp32, graphs on): verify steps replay (rows bucket, 1 + k) graphs and, while acceptance is too low to
+    pay, blocks of plain steps replay the greedy graph; tokens equal stock's throughout."""
+    monkeypatch.setitem(generate_spec.RIDGE_TOKENS, "cuda", 256.0)
+    stock, fast = _pair(family)
+    stock.cuda()
+    llmplug.unoptimize(fast)
+    llmplug.optimize(fast.cuda(), graph_batch_sizes=(1, 4, 8))
+    ids, mask = pad(_echo_prompts())
+    kw = dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=48, do_sample=False)
+    expected = stock.generate(**kw)
+    assert torch.equal(fast.generate(**kw, prompt_lookup_num_tokens=4), expected)
+    graphs = state_of(fast).runner._graphs
+    assert any(key[0] == "step" and key[2] > 1 for key in graphs)  # verify steps
+    assert any(key[0] == "greedy" for key in graphs)  # a random tiny model's acceptance turns speculation off
+    draft = copy.deepcopy(stock)
+    assert torch.equal(fast.generate(**kw, assistant_model=draft, num_assistant_tokens=3), expected)
+    assert llmplug.spec_stats(fast).acceptance_rate == 1.0

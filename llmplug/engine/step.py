@@ -82,8 +82,8 @@ def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, 
         seqs: objects with ``tokens`` (list of ids), ``num_computed`` and ``blocks`` (their page ids, enough for the
             step's tokens): the Engine's :class:`~llmplug.engine.request.Sequence`.
         num_new: tokens each sequence computes (>= 1).
-        input_ids: ``(T,)`` the step's token ids already on the device (e.g. tokens the device just chose); None
-            reads them from ``seqs[i].tokens``.
+        input_ids: ``(T,)`` the step's token ids: on the device (e.g. tokens the device just chose), or on the host
+            (sent with the step's other host data in one copy); None reads them from ``seqs[i].tokens``.
         block_tables: ``(B, M)`` the sequences' page table already on the device; None builds it.
         all_logits: return every token's logits (verification, scoring); else each sequence's last token's.
 
@@ -91,12 +91,16 @@ def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, 
         The :class:`StepContext`.
     """
     rows = len(seqs)
+    if input_ids is not None and input_ids.device != device:
+        ids_given, input_ids = input_ids.tolist(), None
+    else:
+        ids_given = None
     tables = block_tables if block_tables is not None else block_table([s.blocks for s in seqs], device)
     uniform = num_new[0] if all(n == num_new[0] for n in num_new) else 0
     starts = list(itertools.accumulate(num_new, initial=0))
     firsts = [s.num_computed for s in seqs]
-    ids = [] if input_ids is not None else list(itertools.chain.from_iterable(
-        s.tokens[c:c + n] for s, c, n in zip(seqs, firsts, num_new)))
+    ids = [] if input_ids is not None else ids_given if ids_given is not None else list(
+        itertools.chain.from_iterable(s.tokens[c:c + n] for s, c, n in zip(seqs, firsts, num_new)))
     if uniform:
         small = to_device(torch.tensor(firsts + ids, dtype=torch.long), device)
         last = None

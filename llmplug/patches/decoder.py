@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.attention import rope_paged_attention
+from ..ops import skinny_gemv
 from ..ops.act_mul import act_and_mul
 from ..ops.gemv import add_norm_gemv, gemv, norm_in_prologue
 from ..ops.rms_norm import add_rms_norm, rms_norm
@@ -46,7 +47,8 @@ class Dense:
     """A plain weight (and bias) as the fused forward calls it: ``dense.matmul(x) -> (M, N)``.
 
     One token on CUDA (batch-1 decode) goes through llmplug's GEMV, which reads the weight at a higher rate than
-    cuBLAS's small-N kernels and applies a gate/up activation in its epilogue; everything else through ``F.linear``.
+    cuBLAS's small-N kernels and applies a gate/up activation in its epilogue, up to ``skinny_gemv.MAX_ROWS`` tokens
+    (a verify step at batch 1) through its few-row form; everything else through ``F.linear``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -54,15 +56,19 @@ class Dense:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x: (M, K)`` -> ``(M, N)``."""
-        if x.shape[0] == 1 and x.is_cuda:
-            return gemv(x, self.weight, self.bias)
+        if x.is_cuda and x.shape[0] <= skinny_gemv.MAX_ROWS:
+            if x.shape[0] == 1:
+                return gemv(x, self.weight, self.bias)
+            return skinny_gemv.skinny_gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def gated_matmul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """``act(x @ W_gate^T) * (x @ W_up^T)`` for a fused gate/up weight (gate rows first): ``(M, K)`` ->
-        ``(M, N / 2)``; one token on CUDA in the GEMV's epilogue."""
-        if x.shape[0] == 1 and x.is_cuda:
-            return gemv(x, self.weight, self.bias, gated=activation)
+        ``(M, N / 2)``; a few tokens on CUDA in the GEMV's epilogue."""
+        if x.is_cuda and x.shape[0] <= skinny_gemv.MAX_ROWS:
+            if x.shape[0] == 1:
+                return gemv(x, self.weight, self.bias, gated=activation)
+            return skinny_gemv.skinny_gemv(x, self.weight, self.bias, gated=activation)
         return act_and_mul(F.linear(x, self.weight, self.bias), activation)
 
 

@@ -126,12 +126,13 @@ def _verify_step(seqs, proposer, policy, k, histories, active, steps, produced, 
     sub = [seqs.seqs[r] for r in active]
     seqs._grow(active, [s.num_computed + q for s in sub])
     tables = seqs.block_table_dev[active] if len(active) < len(seqs) else seqs.block_table_dev
-    ctx = build_step(sub, [q] * len(sub), seqs.block_size, device, input_ids=ids.reshape(-1).to(device),
-                     block_tables=tables, all_logits=True)
+    ctx = build_step(sub, [q] * len(sub), seqs.block_size, device, input_ids=ids.reshape(-1), block_tables=tables,
+                     all_logits=True)
     logits = seqs.runner.step(ctx).view(len(active), q, -1)
     counts = torch.tensor([len(d) for d in drafts], device=device)
-    tokens, emitted = greedy_accept(logits, ids[:, 1:].to(device), counts)
-    tokens, emitted = tokens.tolist(), emitted.tolist()
+    tokens, emitted = greedy_accept(logits, ctx.input_ids.view(len(active), q)[:, 1:], counts)
+    both = torch.cat([tokens, emitted[:, None]], dim=1).tolist()  # one read of the device
+    tokens, emitted = [row[:-1] for row in both], [row[-1] for row in both]
     if policy is not None:
         policy.record(sum(len(d) for d in drafts), sum(n - 1 for n in emitted))
     stats.steps += 1

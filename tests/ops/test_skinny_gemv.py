@@ -1,0 +1,43 @@
+import pytest
+import torch
+
+from llmplug.ops._triton import cpu_kernels
+from llmplug.ops.skinny_gemv import skinny_gemv, skinny_gemv_ref
+from tests.tolerances import assert_close_matmul_like
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("n,k", [(19, 64), (96, 200), (64, 1030)])
+@pytest.mark.parametrize("gated", ["", "silu"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_reference(m, n, k, gated, bias):
+    g = torch.Generator().manual_seed(m * n + k)
+    n = n + n % 2 if gated else n
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    with cpu_kernels(True):
+        got = skinny_gemv(x, w, b, gated, config=(16, 64, 4, 1))
+    ref64 = skinny_gemv_ref(x.double(), w.double(), None if b is None else b.double(), gated)
+    assert_close_matmul_like(got, ref64, skinny_gemv_ref(x, w, b, gated))
+
+
+def test_bad_inputs_and_opcheck():
+    w = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="1 <= M <= 8"):
+        skinny_gemv(torch.zeros(9, 16), w)
+    with pytest.raises(ValueError, match="dtype"):
+        skinny_gemv(torch.zeros(2, 16, dtype=torch.bfloat16), w)
+    torch.library.opcheck(torch.ops.llmplug.skinny_gemv.default, (torch.randn(3, 16), torch.randn(8, 16), None,
+                                                                  16, 16, 4, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 3, 5, 8])
+@pytest.mark.parametrize("n,k,gated", [(6144, 4096, ""), (28672, 4096, "silu"), (4096, 14336, ""), (3072, 2048, "")])
+def test_kernel_cuda_bf16(m, n, k, gated):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    got = skinny_gemv(x, w, None, gated)
+    ref64 = skinny_gemv_ref(x.double(), w.double(), None, gated)
+    assert_close_matmul_like(got, ref64, skinny_gemv_ref(x, w, None, gated))

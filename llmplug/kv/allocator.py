@@ -1,4 +1,4 @@
-"""Block allocator for the paged KV pool, and per-sequence block lists that grow with the sequence."""
+"""Block allocator for the paged KV pool."""
 
 from __future__ import annotations
 
@@ -39,28 +39,3 @@ class BlockAllocator:
                 raise ValueError(f"block {b} is not allocated")
             self._used[b] = False
             self._free.append(b)
-
-
-class SequenceBlocks:
-    """The pages of one sequence, grown a page at a time as tokens arrive (never reserved up front).
-
-    ``allocator`` is anything with ``allocate(n)`` and ``free(blocks)``: a :class:`BlockAllocator` or the pool's
-    ``BlockManager``.
-    """
-
-    def __init__(self, allocator, block_size: int) -> None:
-        self.allocator = allocator
-        self.block_size = block_size
-        self.blocks: list[int] = []
-
-    def ensure(self, num_tokens: int) -> bool:
-        """Make room for ``num_tokens`` tokens in all; True when new pages were added."""
-        need = -(-num_tokens // self.block_size) - len(self.blocks)
-        if need <= 0:
-            return False
-        self.blocks.extend(self.allocator.allocate(need))
-        return True
-
-    def release(self) -> None:
-        self.allocator.free(self.blocks)
-        self.blocks = []

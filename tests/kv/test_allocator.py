@@ -1,7 +1,7 @@
 import pytest
 
 import llmplug
-from llmplug.kv.allocator import BlockAllocator, SequenceBlocks
+from llmplug.kv.allocator import BlockAllocator
 from llmplug.ops._triton import cpu_kernels
 from llmplug.state import state_of
 from tests.tiny_models import make_model, pad, prompts
@@ -25,16 +25,6 @@ def test_full_pool_raises_and_allocates_nothing():
     with pytest.raises(llmplug.KVCacheFullError, match="2 more pages of the 3 in its pool but only 1"):
         pool.allocate(2)
     assert pool.num_free == 1
-
-
-def test_sequence_grows_a_page_at_a_time():
-    pool = BlockAllocator(8)
-    seq = SequenceBlocks(pool, block_size=4)
-    assert seq.ensure(1) and len(seq.blocks) == 1
-    assert not seq.ensure(4)
-    assert seq.ensure(5) and len(seq.blocks) == 2
-    seq.release()
-    assert pool.num_free == 8 and seq.blocks == []
 
 
 def test_generate_past_the_pool_raises_then_recovers():

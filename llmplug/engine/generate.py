@@ -104,16 +104,17 @@ def _loop_fallback_reason(attention_mask: torch.Tensor | None, max_length: int,
 
 
 def _speculation(generation_config, assistant, possible: bool, runner: ModelRunner) -> int | None:
-    """Draft tokens a verify step may take for this call (None: no speculation). Speculation runs for plain greedy
-    decoding without a streamer or a returned cache; other calls decode without it (the same tokens, or the same
-    distribution), with a one-time warning."""
+    """Draft tokens a verify step may take for this call (None: no speculation). Speculation runs for greedy decoding
+    and for sampling with stateless warpers (temperature, top-k/p, min-p), without a streamer, scores or a returned
+    cache; other calls decode without it (the same tokens, or the same distribution), with a one-time warning."""
     k = draft_tokens(generation_config, assistant)
     if k is None:
         return None
     k = min(k, runner.max_model_len - generation_config.max_length)
     if not possible or k < 1:
-        _warn_once("speculation", "llmplug speculates only for greedy decoding without logits processors, scores, a "
-                   "streamer or a returned cache; this call decodes without speculation (same tokens or distribution)")
+        _warn_once("speculation", "llmplug speculates only for greedy decoding or sampling with temperature / top-k / "
+                   "top-p / min-p, without other logits processors, scores, a streamer or a returned cache; this call "
+                   "decodes without speculation (same tokens or distribution)")
         return None
     return k
 
@@ -218,7 +219,10 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
 
     plain_greedy = (not generation_config.do_sample and len(logits_processor) == 0 and scores is None
                     and raw_logits is None)
-    spec_k = _speculation(generation_config, assistant, plain_greedy and streamer is None and not (
+    # greedy or stateless sampling: every later step is one graph replay, the stops run late on the host
+    graph_sampling = (generation_config.do_sample and scores is None and raw_logits is None
+                      and all(type(p) in _GRAPH_WARPERS for p in logits_processor))
+    spec_k = _speculation(generation_config, assistant, (plain_greedy or graph_sampling) and streamer is None and not (
         want_dict and model_kwargs.get(CACHE_FIELD) is not None), runner)
     seqs = SequenceBatch(runner, input_ids, prompt_mask, generation_config.max_length + (spec_k or 0))
     # On CUDA without a streamer the host learns that every row finished one step late (HF's DeferredStopCheck
@@ -226,9 +230,6 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
     deferred = input_ids.device.type == "cuda" and streamer is None
     done_host = torch.zeros((), dtype=torch.bool, pin_memory=True) if deferred else None
     done_event = None
-    # greedy or stateless sampling: every later step is one graph replay, the stops run late on the host
-    graph_sampling = (generation_config.do_sample and scores is None and raw_logits is None
-                      and all(type(p) in _GRAPH_WARPERS for p in logits_processor))
     on_device = (_graph_stopping(stopping_criteria, generation_config.max_length)
                  if (plain_greedy or graph_sampling) and deferred else None)
     prompt_width = input_ids.shape[1]
@@ -267,7 +268,8 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
                 if unfinished.any():
                     new, state.spec_stats = speculate(seqs, spec_k, assistant, generation_config, input_ids,
                                                       unfinished, stopping_criteria, pad, has_eos,
-                                                      input_ids[:, :prompt_width], prompt_mask)
+                                                      input_ids[:, :prompt_width], prompt_mask,
+                                                      logits_processor if graph_sampling else None)
                     input_ids = torch.cat([input_ids, new.to(input_ids.device)], dim=-1)
                 break
             if not deferred:

@@ -1,6 +1,6 @@
 """``generate``'s speculative path: prompt lookup (``prompt_lookup_num_tokens``), a draft model (``assistant_model``,
 an HF causal LM) or any proposer object (``assistant_model=`` an object with ``propose`` and ``release``), for any batch
-size, greedy. Stock HF raises for assisted generation above batch 1."""
+size, greedy or sampling (exact rejection sampling). Stock HF raises for assisted generation above batch 1."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def prepare_draft(assistant, target) -> None:
 
 def speculate(seqs: SequenceBatch, k: int, assistant, generation_config, input_ids: torch.Tensor,
               unfinished: torch.Tensor, stopping_criteria, pad, has_eos: bool, prompt_ids: torch.Tensor,
-              prompt_mask: torch.Tensor | None) -> tuple[torch.Tensor, SpecStats]:
+              prompt_mask: torch.Tensor | None, processors=None) -> tuple[torch.Tensor, SpecStats]:
     """Decode ``seqs`` speculatively after their first token -> ``(new tokens (B, n) host, stats)``.
 
     Args:
@@ -65,6 +65,7 @@ def speculate(seqs: SequenceBatch, k: int, assistant, generation_config, input_i
         assistant: the draft model, or None for prompt lookup.
         input_ids: ``(B, L + 1)`` prompts and the first token; unfinished: ``(B,)`` after it.
         prompt_ids, prompt_mask: the prompts as HF prepared them (for the draft model's own rows).
+        processors: for sampling, HF's stateless logits warpers (temperature, top-k/p, min-p); None for greedy.
     """
     eos = [c.eos_token_id.reshape(-1) for c in stopping_criteria if isinstance(c, EosTokenCriteria)]
     eos = torch.cat(eos).cpu() if eos else torch.empty(0, dtype=torch.long)
@@ -84,8 +85,17 @@ def speculate(seqs: SequenceBatch, k: int, assistant, generation_config, input_i
     policy = AdaptiveK(k, RIDGE_TOKENS.get(seqs.device.type, 4.0))
     try:
         stats = speculative_decode(seqs, proposer, policy, histories, stops, limit - input_ids.shape[1],
-                                   set(eos.tolist()))
+                                   set(eos.tolist()), None if processors is None else _sampler(processors))
     finally:
         proposer.release()
     new = stops.new_tokens() if stops.tokens else input_ids.new_zeros((input_ids.shape[0], 0)).cpu()
     return new, stats
+
+
+def _sampler(processors):
+    """HF's ``_sample`` distribution: the warpers on fp32 logits, then softmax (``logits (N, V) -> probs (N, V)``).
+    The warpers ignore ``input_ids`` (the caller checked), so they apply to every verified position alike."""
+    def probs(logits: torch.Tensor) -> torch.Tensor:
+        scores = processors(logits.new_zeros((logits.shape[0], 0), dtype=torch.long), logits.float())
+        return torch.softmax(scores, dim=-1)
+    return probs

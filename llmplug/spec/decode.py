@@ -1,8 +1,9 @@
-"""Greedy speculative decoding of ``generate``'s rows: propose, verify ``1 + k`` tokens a row in one step, accept.
+"""Speculative decoding of ``generate``'s rows: propose, verify ``1 + k`` tokens a row in one step, accept.
 
 Each step takes every row that still needs tokens, asks the proposer for drafts, and verifies them in one uniform
-step (:func:`~llmplug.engine.step.build_step`, a CUDA graph per (rows bucket, ``1 + k``)): a row keeps its drafts
-while they equal the target's argmax, then the target's own token, so the tokens are exactly greedy decoding's. A
+step (:func:`~llmplug.engine.step.build_step`, a CUDA graph per (rows bucket, ``1 + k``)). Greedy: a row keeps its
+drafts while they equal the target's argmax, then the target's own token, so the tokens are exactly greedy
+decoding's. Sampling: exact rejection sampling against the target's distribution after every sampling option. A
 row's rejected drafts are never counted as computed, so the next step overwrites their KV slots. Rows advance by
 different amounts; HF's stop bookkeeping (:class:`~llmplug.engine.late_stops.LateStops`) runs over the columns every
 row has reached.
@@ -16,13 +17,13 @@ from ..engine.late_stops import LateStops
 from ..engine.runner import GREEDY_RING
 from ..engine.step import build_step, to_device
 from .adaptive import AdaptiveK
-from .rejection import greedy_accept
+from .rejection import greedy_accept, rejection_sample
 from .stats import SpecStats
 
 
 def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[int]], stops: LateStops,
-                       steps: int, eos: set[int]) -> SpecStats:
-    """Decode greedily with speculation until ``stops`` says generation ended.
+                       steps: int, eos: set[int], sample=None) -> SpecStats:
+    """Decode with speculation until ``stops`` says generation ended: greedily, or sampling with ``sample``.
 
     Args:
         seqs: the call's :class:`~llmplug.engine.sequences.SequenceBatch`, every row's KV computed up to (not
@@ -34,6 +35,9 @@ def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[i
         stops: HF's bookkeeping from the row state after the last emitted token.
         steps: most new tokens a row may get (the max-length limit).
         eos: end-of-sequence ids (a row that emitted one needs no more tokens when HF pads finished rows).
+        sample: None for greedy; else ``logits (N, V) -> probabilities (N, V)`` after every sampling option, and
+            drafts are verified by exact rejection sampling (:func:`~llmplug.spec.rejection.rejection_sample`; the
+            proposers' drafts are deterministic, a one-hot ``q``).
 
     Returns:
         The call's :class:`SpecStats`; the kept tokens are in ``stops``.
@@ -52,10 +56,10 @@ def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[i
             k = min(policy.choose(len(active)), max(steps - produced[r] - 1 for r in active))
             if k > 0:
                 _verify_step(seqs, proposer, policy, k, histories, active, steps, produced, pending, ended, eos,
-                             stats, device, stops.has_eos)
+                             stats, device, stops.has_eos, sample)
             else:
                 _plain_steps(seqs, policy.probe_every, histories, active, steps, produced, pending, ended, eos,
-                             stats, device, stops.has_eos)
+                             stats, device, stops.has_eos, sample)
         # feed the columns every row has: a row that needs nothing more is padded (HF pads or cuts it anyway)
         waiting = [len(pending[r]) for r in active if produced[r] < steps and not ended[r]]
         width = min(waiting) if waiting else max(map(len, pending))
@@ -70,16 +74,17 @@ def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[i
     return stats
 
 
-def _plain_steps(seqs, n, histories, active, steps, produced, pending, ended, eos, stats, device, has_eos) -> None:
-    """Up to ``n`` decode steps of the ``active`` rows without drafts: on CUDA ``n`` replays of the greedy graph
-    (tokens fed back on the device, read once at the end), elsewhere one step at a time."""
+def _plain_steps(seqs, n, histories, active, steps, produced, pending, ended, eos, stats, device, has_eos,
+                 sample) -> None:
+    """Up to ``n`` decode steps of the ``active`` rows without drafts: greedy on CUDA ``n`` replays of the greedy
+    graph (tokens fed back on the device, read once at the end), otherwise one step at a time."""
     n = min(n, GREEDY_RING, min(steps - produced[r] for r in active))  # no row computes past its limit
     sub = [seqs.seqs[r] for r in active]
-    graph_buf = seqs.runner.greedy_graph(len(active))
+    graph_buf = seqs.runner.greedy_graph(len(active)) if sample is None else None
     if graph_buf is None:
         for _ in range(n):
             _verify_step(seqs, None, None, 0, histories, active, steps, produced, pending, ended, eos, stats, device,
-                         has_eos)
+                         has_eos, sample)
         return
     graph, buf = graph_buf
     rows = len(active)
@@ -117,7 +122,7 @@ def _emit(r, row_tokens, drafted, steps_taken, steps, produced, histories, pendi
 
 
 def _verify_step(seqs, proposer, policy, k, histories, active, steps, produced, pending, ended, eos, stats, device,
-                 has_eos) -> None:
+                 has_eos, sample) -> None:
     drafts = proposer.propose(active, histories, k) if k > 0 else [[] for _ in active]
     drafts = [d[:max(0, min(k, steps - produced[r] - 1))] for r, d in zip(active, drafts)]
     q = 1 + max(map(len, drafts))
@@ -130,7 +135,12 @@ def _verify_step(seqs, proposer, policy, k, histories, active, steps, produced, 
                      all_logits=True)
     logits = seqs.runner.step(ctx).view(len(active), q, -1)
     counts = torch.tensor([len(d) for d in drafts], device=device)
-    tokens, emitted = greedy_accept(logits, ctx.input_ids.view(len(active), q)[:, 1:], counts)
+    drafted = ctx.input_ids.view(len(active), q)[:, 1:]
+    if sample is None:
+        tokens, emitted = greedy_accept(logits, drafted, counts)
+    else:
+        probs = sample(logits.reshape(len(active) * q, -1)).view(len(active), q, -1)
+        tokens, emitted = rejection_sample(probs, drafted, counts)
     both = torch.cat([tokens, emitted[:, None]], dim=1).tolist()  # one read of the device
     tokens, emitted = [row[:-1] for row in both], [row[-1] for row in both]
     if policy is not None:

@@ -68,7 +68,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num
     accepted = _uniform((rows, k), dev, generators) * q_x < p_x  # u < p / q, without dividing by q
     ok = accepted & live
     # r = the first rejected (or the first missing) position: the number of drafts kept
-    kept = torch.where(~ok, steps[None], k).min(dim=1).values
+    kept = torch.cat([~ok, ok.new_ones(rows, 1)], dim=1).to(torch.int8).argmax(dim=1)  # a sentinel after the last
     at = kept[:, None, None].expand(-1, 1, target_probs.shape[-1])
     p_r = target_probs.gather(1, at).squeeze(1)  # (B, V): p at the stop position
     rejected = kept < num_drafts

@@ -5,11 +5,19 @@ import copy
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 import llmplug
 from llmplug.engine import generate_spec
+from llmplug.spec import decode as spec_decode
 from llmplug.spec.adaptive import AdaptiveK, expected_tokens
+from llmplug.spec.rejection import rejection_sample
 from llmplug.state import state_of
 from tests.tiny_models import make_model, pad, prompts, reference_kernels
 
@@ -163,3 +171,53 @@ def test_speculation_on_cuda_graphs(family, monkeypatch):
     draft = copy.deepcopy(stock)
     assert torch.equal(fast.generate(**kw, assistant_model=draft, num_assistant_tokens=3), expected)
     assert llmplug.spec_stats(fast).acceptance_rate == 1.0
+
+
+def _biased_rejection(probs, drafts, counts):
+    """A plausible bug: after a rejection, draw from ``p`` instead of the residual ``max(p - q, 0)``."""
+    tokens, emitted = rejection_sample(probs, drafts, counts)
+    rejected = (emitted - 1) < counts
+    redraw = torch.multinomial(probs[torch.arange(len(emitted)), emitted - 1], 1).squeeze(1)
+    tokens[rejected, emitted[rejected] - 1] = redraw[rejected]
+    return tokens, emitted
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_speculative_sampling_is_exact_in_distribution(biased, monkeypatch):
+    """4,000 rows of one prompt, three new tokens: the first sampled as usual, the second by a verify step whose
+    drafts (a copy of the model: its greedy tokens) are accepted or rejected. The (first, second) pairs follow the
+    model's exact distribution after temperature and top-p (chi-square); a sampler that ignores the residual fails."""
+    if biased:
+        monkeypatch.setattr(spec_decode, "rejection_sample", _biased_rejection)
+    stock, fast = _pair("llama")
+    prompt = torch.tensor(prompts(1, lengths=(6,)))
+    n = 4000
+    warp = dict(do_sample=True, temperature=0.8, top_p=0.9, top_k=0)
+    torch.manual_seed(0)
+    out = fast.generate(input_ids=prompt.repeat(n, 1), max_new_tokens=3, eos_token_id=None, pad_token_id=0,
+                        assistant_model=copy.deepcopy(stock), num_assistant_tokens=3, **warp)
+    stats = llmplug.spec_stats(fast)
+    assert 0 < stats.accepted < stats.drafted
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)])
+
+    def dist(ids):
+        with torch.no_grad():
+            logits = stock(input_ids=ids).logits[:, -1].float()
+        return torch.softmax(processors(ids, logits), dim=-1)
+
+    first = dist(prompt)[0]
+    support = first.nonzero().squeeze(1)
+    second = dist(torch.cat([prompt.repeat(len(support), 1), support[:, None]], dim=1))
+    expected = (first[support, None] * second).reshape(-1) * n  # cell (t1, t2)
+    cell = {(int(a), int(b)): i for i, (a, b) in enumerate(
+        (a, b) for a in support.tolist() for b in range(second.shape[1]))}
+    observed = torch.zeros_like(expected)
+    for a, b in out[:, -3:-1].tolist():
+        observed[cell[(a, b)]] += 1  # KeyError: a first token outside the warped support
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    df = torch.tensor((len(exp) - 1) / 2, dtype=torch.float64)
+    p_value = float(torch.special.gammaincc(df, torch.tensor(chi2 / 2, dtype=torch.float64)))
+    assert (p_value < 1e-6) if biased else (p_value > 1e-3), (chi2, len(exp), p_value)

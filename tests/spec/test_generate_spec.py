@@ -14,6 +14,7 @@ from transformers import (
 )
 
 import llmplug
+from llmplug.engine import generate as generate_module
 from llmplug.engine import generate_spec
 from llmplug.spec import decode as spec_decode
 from llmplug.spec.adaptive import AdaptiveK, expected_tokens
@@ -26,6 +27,7 @@ from tests.tiny_models import make_model, pad, prompts, reference_kernels
 def _references(monkeypatch):
     # as on a GPU, where a step stays weight-bound: speculate at every step (a CPU's cost model would mostly say no)
     monkeypatch.setitem(generate_spec.RIDGE_TOKENS, "cpu", 1e9)
+    monkeypatch.setattr(generate_module, "_warned", set())  # each test sees its one-time warnings
     with reference_kernels():
         yield
 
@@ -221,3 +223,19 @@ def test_speculative_sampling_is_exact_in_distribution(biased, monkeypatch):
     df = torch.tensor((len(exp) - 1) / 2, dtype=torch.float64)
     p_value = float(torch.special.gammaincc(df, torch.tensor(chi2 / 2, dtype=torch.float64)))
     assert (p_value < 1e-6) if biased else (p_value > 1e-3), (chi2, len(exp), p_value)
+
+
+def test_drafts_stay_inside_max_model_len():
+    """Verify steps may compute up to k positions past a row's last token: k shrinks to fit max_model_len, and a call
+    with no room left decodes without speculation (with the warning)."""
+    stock, fast = _pair("llama")
+    llmplug.unoptimize(fast)
+    llmplug.optimize(fast, max_model_len=40)
+    ids, mask = pad(_echo_prompts())  # 17 columns
+    kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(fast.generate(**kw, max_new_tokens=21, prompt_lookup_num_tokens=6),
+                       stock.generate(**kw, max_new_tokens=21))  # max_length 38: at most 2 drafts a step
+    assert llmplug.spec_stats(fast).drafted > 0
+    with pytest.warns(UserWarning, match="speculates only"):  # max_length 40: no room for a draft
+        got = fast.generate(**kw, max_new_tokens=23, prompt_lookup_num_tokens=6)
+    assert torch.equal(got, stock.generate(**kw, max_new_tokens=23))

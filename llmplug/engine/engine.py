@@ -358,6 +358,8 @@ class Engine(ServingMixin):
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+        if inbox:  # new prompts must not match KV computed with weights changed since
+            self.runner.forget_stale_prefixes()
         for request in inbox:
             self.scheduler.add(request.seqs[0])
         for rid in aborts:

@@ -64,6 +64,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.cache: PagedKVCache | None = None
+        self._weights_version: int | None = None  # the weights the prefix cache's KV was computed with
         self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._pool = None  # one CUDA-graph memory pool shared by every captured graph
         self._hf_configs = self._attention_configs()
@@ -99,6 +100,19 @@ class ModelRunner:
             self.cache = PagedKVCache(self.num_layers, n, self.block_size, self.num_kv_heads, self.head_dim,
                                       self.kv_dtype, self.device)
         return self.cache
+
+    def forget_stale_prefixes(self) -> None:
+        """Drop the prefix cache's entries when the weights changed since they were computed: an in-place update
+        (an optimizer step, ``load_state_dict``) bumps a parameter's version counter, a replaced one its storage.
+        Parameters without a version counter (inference tensors) make every check drop them."""
+        try:
+            version = hash(tuple((p.data_ptr(), p._version) for p in self.model.parameters()))
+        except RuntimeError:
+            version = None
+        if version is None or version != self._weights_version:
+            if self.cache is not None:
+                self.cache.blocks.reset_cache()
+            self._weights_version = version
 
     def release(self) -> None:
         """Free the KV pool and graphs (``unoptimize``); later graphs start a new memory pool (PyTorch does not

@@ -54,6 +54,8 @@ class SequenceBatch:
         self.seqs = [Request(f"row{i}", p, _ROW_PARAMS).seqs[0] for i, p in enumerate(prompts)]
         width = -(-longest // self.block_size)
         self.block_table = torch.zeros(len(prompts), width, dtype=torch.int32)
+        if prefix_cache:
+            runner.forget_stale_prefixes()
         for row, seq in enumerate(self.seqs):
             if prefix_cache:
                 seq.blocks, seq.entry_ids = self.pool.match(seq.tokens)

@@ -17,7 +17,7 @@
 from .api import is_optimized, optimize, unoptimize
 from .config import OptimizeConfig
 from .engine.engine import Engine
-from .engine.params import EngineConfig, SamplingParams
+from .engine.params import EngineConfig, SamplingParams, SpeculativeConfig
 from .engine.request import CompletionOutput, RequestOutput, StreamDelta
 from .engine.scoring import logits
 from .errors import KVCacheFullError, UnsupportedModelError
@@ -25,7 +25,7 @@ from .quant import LlmplugQuantConfig, QuantLinear, from_gptq_awq, from_quantize
 from .spec.stats import spec_stats
 
 __all__ = ["CompletionOutput", "Engine", "EngineConfig", "KVCacheFullError", "LlmplugQuantConfig", "OptimizeConfig",
-           "QuantLinear", "RequestOutput", "SamplingParams", "StreamDelta", "UnsupportedModelError", "from_gptq_awq",
-           "from_quantized", "is_optimized", "logits", "optimize", "quantize", "save_quantized", "spec_stats",
-           "unoptimize"]
+           "QuantLinear", "RequestOutput", "SamplingParams", "SpeculativeConfig", "StreamDelta",
+           "UnsupportedModelError", "from_gptq_awq", "from_quantized", "is_optimized", "logits", "optimize", "quantize",
+           "save_quantized", "spec_stats", "unoptimize"]
 __version__ = "0.1.0"

@@ -18,6 +18,7 @@ import torch
 
 from ..kv.swap import SwapSpace
 from ..state import ensure_state
+from .engine_spec import EngineSpeculation
 from .metrics import EngineMetrics
 from .params import EngineConfig, SamplingParams
 from .request import CompletionOutput, Request, RequestOutput, Sequence, Status, StreamDelta
@@ -107,6 +108,7 @@ class Engine(ServingMixin):
         self._loop_error: BaseException | None = None
         self._warmed = False
         self._pending: _Pending | None = None  # the last launched step, whose tokens the host has not seen yet
+        self.speculation = EngineSpeculation(self, self.config.speculative) if self.config.speculative else None
 
     # ---- submission --------------------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -204,14 +206,18 @@ class Engine(ServingMixin):
     def _step(self) -> list[RequestOutput]:
         finished: list[RequestOutput] = []
         self._take_inbox(finished)
-        if self._pending is not None and any(_needs_history(s) for s in self._pending.seqs):
-            self._resolve(finished)  # penalties read every earlier token on the host: no step ahead then
+        if self._pending is not None and (self.speculation is not None
+                                          or any(_needs_history(s) for s in self._pending.seqs)):
+            self._resolve(finished)  # drafts and penalties read every earlier token on the host: no step ahead then
         plan = self.scheduler.schedule()
         self.metrics.on_schedule(plan, self.blocks)
         launched = None
         if plan.seqs:
             try:
-                launched = self._launch(plan)
+                if self.speculation is not None:
+                    launched = self.speculation.launch(plan, finished)
+                else:
+                    launched = self._launch(plan)
             except Exception as error:  # a failed step fails its requests; the engine keeps serving the others
                 self.blocks.reset_cache()
                 for seq in plan.seqs:
@@ -224,13 +230,21 @@ class Engine(ServingMixin):
     def _launch(self, plan: StepPlan) -> _Pending | None:
         """Run ``plan`` and sample on the device; each sampled sequence gets a placeholder token until resolved."""
         logits, rows = self._execute(plan)
+        self._advance(plan)
+        return self._sample_rows([plan.seqs[i] for i in rows], logits)
+
+    def _advance(self, plan: StepPlan) -> None:
+        """Count the step's tokens as computed and cache the blocks they filled."""
         for seq, n in zip(plan.seqs, plan.num_new):
             seq.num_computed += n
             seq.register_full_blocks(self.blocks)
         self.metrics.on_step(plan)
-        if not rows:  # only prompt chunks that end mid-prompt: nothing to sample
+
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> _Pending | None:
+        """Sample the next token of ``seqs`` (their last tokens' ``logits (R, V)``) on the device, forking requests
+        with ``n > 1`` first; each gets a placeholder token until resolved."""
+        if not seqs:  # only prompt chunks that end mid-prompt: nothing to sample
             return None
-        seqs = [plan.seqs[i] for i in rows]
         forks = self._fork(seqs)
         if forks:
             picks = list(range(len(seqs))) + [seqs.index(parent) for parent, _ in forks]
@@ -258,15 +272,17 @@ class Engine(ServingMixin):
             seq.register_full_blocks(self.blocks)
             self._check_stop(seq, token, now, finished)
 
-    def _execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
-        """Swap-ins and the forward -> ``(logits (R, V), rows)``: ``rows`` index the sampled sequences."""
+    def _execute(self, plan: StepPlan, num_logits: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Swap-ins and the forward -> ``(logits (R, V), rows)``: ``rows`` index the sequences whose step reaches their
+        last known token, the ones to sample; ``num_logits`` (speculation) says how many of each row's last tokens'
+        logits come back instead of one a sampled row."""
         for slots, blocks in plan.swap_in:
             self.scheduler.swap.swap_in(slots, blocks)
-        ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device)
+        ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device, num_logits=num_logits)
         self._fill_placeholders(ctx, plan)
         logits = self.runner.step(ctx)
         rows = [i for i, (s, n) in enumerate(zip(plan.seqs, plan.num_new)) if s.num_computed + n == s.num_tokens]
-        if rows and len(rows) < len(plan.seqs):
+        if num_logits is None and rows and len(rows) < len(plan.seqs):
             logits = logits[torch.tensor(rows, device=logits.device)]
         return logits, rows
 
@@ -428,7 +444,13 @@ class Engine(ServingMixin):
         self.metrics.reset()
         self.scheduler.num_preemptions = 0
         self.blocks.stats = type(self.blocks.stats)()
+        if self.speculation is not None:
+            self.speculation.drafted = self.speculation.accepted = self.speculation.steps = 0
 
     def stats(self) -> dict:
-        """Latency percentiles, throughput, goodput, KV use, prefix hits and preemptions so far."""
-        return self.metrics.summary(self.blocks, self.scheduler.num_preemptions)
+        """Latency percentiles, throughput, goodput, KV use, prefix hits and preemptions so far; with speculation its
+        drafts, acceptance rate and tokens a verified row gained a step."""
+        out = self.metrics.summary(self.blocks, self.scheduler.num_preemptions)
+        if self.speculation is not None:
+            out["speculation"] = self.speculation.summary()
+        return out

@@ -97,6 +97,32 @@ class SamplingParams:
         return not self.do_sample or self.temperature == 0
 
 
+_SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding in the Engine: each step, greedy requests verify up to ``num_tokens`` draft tokens.
+
+    Attributes:
+        method: ``"ngram"`` (prompt lookup: the tokens after the latest earlier occurrence of the sequence's tail).
+        num_tokens: most draft tokens a request verifies in one step (1-15).
+        max_ngram, min_ngram: tail lengths prompt lookup tries, longest first.
+    """
+
+    method: str = "ngram"
+    num_tokens: int = 4
+    max_ngram: int = 2
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.method in _SPEC_METHODS, f"method={self.method!r} is not one of {_SPEC_METHODS}")
+        _check(_is_int(self.num_tokens) and 1 <= self.num_tokens <= 15,
+               f"num_tokens={self.num_tokens!r} must be an int in [1, 15]")
+        _check(_is_int(self.min_ngram) and _is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram,
+               f"need ints 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram!r}, max_ngram={self.max_ngram!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Scheduling and memory settings of an :class:`llmplug.Engine`.
@@ -111,6 +137,8 @@ class EngineConfig:
         swap_space_gb: CPU memory for swapped-out KV blocks.
         enable_prefix_caching: share full KV blocks of equal prefixes between requests.
         slo_ttft_s, slo_tpot_s: latency targets that ``stats()`` counts goodput against.
+        speculative: a :class:`SpeculativeConfig` (or None: no speculation). Steps then wait for the previous step's
+            tokens (drafts are proposed from them) instead of running one step ahead.
     """
 
     max_num_seqs: int = 256
@@ -122,6 +150,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
@@ -140,3 +169,5 @@ class EngineConfig:
         for name in ("slo_ttft_s", "slo_tpot_s"):
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and value > 0, f"{name}={value!r} must be > 0")
+        _check(self.speculative is None or isinstance(self.speculative, SpeculativeConfig),
+               f"speculative={self.speculative!r} must be a SpeculativeConfig or None")

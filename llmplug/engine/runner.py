@@ -152,7 +152,7 @@ class ModelRunner:
         eagerly.
         """
         q, rows, tokens = ctx.query_len, ctx.num_rows, ctx.input_ids.shape[0]
-        every_row = q == 1 or (ctx.logits_indices is None and q <= MAX_GRAPH_QUERY)
+        every_row = ctx.logits_indices is None and q <= MAX_GRAPH_QUERY
         bucket = self.graph_bucket(rows) if q and every_row else None
         if bucket is not None:
             return self._replay_uniform(ctx, bucket)

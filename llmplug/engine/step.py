@@ -75,7 +75,7 @@ def uniform_metadata(positions: torch.Tensor, block_tables: torch.Tensor, block_
 
 def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, *,
                input_ids: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
-               all_logits: bool = False) -> StepContext:
+               all_logits: bool = False, num_logits: list[int] | None = None) -> StepContext:
     """Pack ``seqs[i]``'s next ``num_new[i]`` tokens (from position ``seqs[i].num_computed``) into one step.
 
     Args:
@@ -86,11 +86,21 @@ def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, 
             (sent with the step's other host data in one copy); None reads them from ``seqs[i].tokens``.
         block_tables: ``(B, M)`` the sequences' page table already on the device; None builds it.
         all_logits: return every token's logits (verification, scoring); else each sequence's last token's.
+        num_logits: per sequence, how many of its last tokens' logits to return (0: none; a verified row: all its
+            tokens), in row order; overrides ``all_logits``.
 
     Returns:
         The :class:`StepContext`.
     """
     rows = len(seqs)
+    picked = None
+    if num_logits is not None:
+        if list(num_logits) == list(num_new):
+            all_logits = True
+        else:
+            picked = to_device(torch.tensor([s + n - c + j for s, n, c in zip(itertools.accumulate(num_new, initial=0),
+                                                                            num_new, num_logits) for j in range(c)],
+                                            dtype=torch.long), device)
     if input_ids is not None and input_ids.device != device:
         ids_given, input_ids = input_ids.tolist(), None
     else:
@@ -103,8 +113,8 @@ def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, 
         itertools.chain.from_iterable(s.tokens[c:c + n] for s, c, n in zip(seqs, firsts, num_new)))
     if uniform:
         small = to_device(torch.tensor(firsts + ids, dtype=torch.long), device)
-        last = None
-        if not all_logits and uniform > 1:
+        last = picked
+        if picked is None and not all_logits and uniform > 1:
             last = torch.arange(uniform - 1, rows * uniform, uniform, device=device)
         return StepContext(input_ids if input_ids is not None else small[rows:], tables, uniform, small[:rows], None,
                            last, starts[:-1])
@@ -123,5 +133,5 @@ def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, 
     meta = AttentionMetadata(query_len=0, slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu_dev.to(torch.int32),
                              context_lens=context, max_seqlen_q=max(num_new[nd:], default=1), num_decodes=nd,
                              seq_lens=context[:nd] + 1)
-    return StepContext(input_ids if input_ids is not None else host_ids, tables, 0, positions, meta,
-                       None if all_logits else cu_dev[1:] - 1, starts[:-1])
+    keep = picked if picked is not None else None if all_logits else cu_dev[1:] - 1
+    return StepContext(input_ids if input_ids is not None else host_ids, tables, 0, positions, meta, keep, starts[:-1])

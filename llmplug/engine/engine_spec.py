@@ -1,0 +1,125 @@
+"""The Engine's speculative steps: greedy requests verify prompt-lookup drafts inside continuous batching.
+
+Each step, a running greedy request whose next token is a decode gets up to ``num_tokens`` drafts (the tokens after
+the latest earlier occurrence of its tail) when the pool has pages for them without preempting anyone and the step's
+token budget allows; the step computes its last token and the drafts, returns all their logits, and keeps the drafts
+while they equal the argmax, then the argmax after them (exactly greedy decoding's tokens). Rejected drafts are not
+counted as computed and their pages past the new end go back to the pool; they were never registered in the prefix
+cache (only known tokens are). Other rows of the step (prefill chunks, sampled or penalised requests) run as usual.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..spec.ngram import propose_ngram
+from ..spec.rejection import greedy_accept
+from .params import SpeculativeConfig
+from .request import RequestOutput, Sequence, Status
+from .scheduler import StepPlan
+
+
+def _greedy_plain(seq: Sequence) -> bool:
+    p = seq.request.params
+    return (p.greedy and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+            and seq.num_output >= p.min_new_tokens)
+
+
+class EngineSpeculation:
+    """Drafts, verification and acceptance for one :class:`~llmplug.engine.engine.Engine`.
+
+    Attributes:
+        drafted, accepted, steps: drafts proposed, drafts accepted and verify rows so far (for ``stats()``).
+    """
+
+    def __init__(self, engine, config: SpeculativeConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.drafted = self.accepted = self.steps = 0
+
+    def summary(self) -> dict:
+        """Drafts proposed and accepted, the acceptance rate and the tokens a verified row gained per step."""
+        return {"drafted": self.drafted, "accepted": self.accepted, "verified_rows": self.steps,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "tokens_per_verified_row": (self.accepted + self.steps) / self.steps if self.steps else 0.0}
+
+    def launch(self, plan: StepPlan, finished: list[RequestOutput]):
+        """Run ``plan`` with drafts for its eligible rows; accept them now, sample the other rows as usual (returns
+        their pending tokens, or None)."""
+        engine = self.engine
+        drafts = self._propose(plan)
+        for seq, d in zip(plan.seqs, drafts):
+            seq.tokens.extend(d)
+        plan.num_new = [n + len(d) for n, d in zip(plan.num_new, drafts)]
+        ends = [s.num_computed + n == s.num_tokens for s, n in zip(plan.seqs, plan.num_new)]
+        counts = [(1 + len(d)) if end else 0 for d, end in zip(drafts, ends)]
+        logits, rows = engine._execute(plan, num_logits=counts)
+        engine._advance(plan)
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        sampled, picks = [], []
+        now = time.perf_counter()
+        for i in rows:
+            seq, d = plan.seqs[i], drafts[i]
+            if d:
+                self._accept(seq, d, logits[offsets[i]:offsets[i + 1]], now, finished)
+            else:
+                sampled.append(seq)
+                picks.append(offsets[i])
+        return engine._sample_rows(sampled, logits[torch.tensor(picks, device=logits.device)]) if sampled else None
+
+    def _propose(self, plan: StepPlan) -> list[list[int]]:
+        """Drafts for each row of ``plan`` (empty where it gets none), their pages allocated."""
+        engine, cfg = self.engine, self.config
+        blocks, size = engine.blocks, engine.block_size
+        budget = engine.config.max_num_batched_tokens - plan.num_tokens
+        out = []
+        for seq, n in zip(plan.seqs, plan.num_new):
+            d: list[int] = []
+            p = seq.request.params
+            if (budget > 0 and n == 1 and seq.num_computed == seq.num_tokens - 1 and seq.resolved == seq.num_tokens
+                    and _greedy_plain(seq) and len(seq.request.seqs) == p.n):
+                k = min(cfg.num_tokens, budget, p.max_new_tokens - seq.num_output - 1,
+                        engine.runner.max_model_len - seq.num_tokens - 1)
+                if k > 0:
+                    d = propose_ngram(torch.tensor(seq.tokens), k, cfg.max_ngram, cfg.min_ngram).tolist()
+                need = -(-(seq.num_tokens + len(d)) // size) - len(seq.blocks)
+                if d and need > 0:
+                    if need <= blocks.num_free:
+                        seq.blocks.extend(blocks.allocate(need))
+                    else:
+                        d = []
+            budget -= len(d)
+            out.append(d)
+        return out
+
+    def _accept(self, seq: Sequence, drafts: list[int], logits: torch.Tensor, now: float,
+                finished: list[RequestOutput]) -> None:
+        """Keep ``seq``'s drafts the target agrees with (``logits (1 + k, V)`` of its last token and drafts), then
+        emit its own next token; stop checks run token by token."""
+        engine = self.engine
+        k = len(drafts)
+        drafted = torch.tensor([drafts], device=logits.device)
+        tokens, emitted = greedy_accept(logits[None], drafted, torch.tensor([k], device=logits.device))
+        row = torch.cat([tokens[0], emitted]).tolist()
+        emitted = row[-1]
+        del seq.tokens[len(seq.tokens) - k:]
+        seq.num_computed -= k - (emitted - 1)  # the last token and the accepted drafts have KV
+        keep = -(-(seq.num_computed + 1) // engine.block_size)  # the next step writes at num_computed
+        if len(seq.blocks) > keep:
+            engine.blocks.free(seq.blocks[keep:])
+            del seq.blocks[keep:]
+        self.drafted += k
+        self.accepted += emitted - 1
+        self.steps += 1
+        for token in row[:emitted]:
+            seq.tokens.append(token)
+            seq.resolved = seq.num_tokens
+            engine.metrics.output_tokens += 1
+            seq.register_full_blocks(engine.blocks)
+            engine._check_stop(seq, token, now, finished)
+            if seq.status is Status.FINISHED:
+                break

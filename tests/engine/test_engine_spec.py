@@ -1,0 +1,115 @@
+"""Speculative decoding inside the Engine (prompt lookup, greedy requests): every greedy output equals its solo run
+without speculation, inside continuous batching with chunked prefill, prefix caching, preemption, aborts and sampled
+neighbours; no block leaks (fp32 CPU, references)."""
+
+import random
+
+import pytest
+import torch
+
+import llmplug
+from llmplug.engine.params import EngineConfig, SamplingParams, SpeculativeConfig
+from tests.tiny_models import make_model, prompts, reference_kernels
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _references():
+    with reference_kernels():
+        yield
+
+
+def _copying(model):
+    """Layers scaled down, LM head tied to the embedding: the model repeats its input, so drafts get accepted."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "embed" not in name and "lm_head" not in name:
+                p.mul_(0.01)
+    return model
+
+
+def _models():
+    plain = make_model("llama")
+    copying = _copying(make_model("llama", tie_word_embeddings=True))
+    return plain, copying
+
+
+def _solo(model, prompt, params):
+    out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=params.max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _echo(n, seed=0):
+    return [p + p[:5] for p in prompts(n, lengths=(7, 19, 4, 33, 12), seed=seed)]
+
+
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_equals_solo_runs(which, k):
+    model = _models()[which]
+    stock = [_solo(model, p, GREEDY) for p in _echo(6)]
+    llmplug.optimize(model)
+    engine = llmplug.Engine(model, EngineConfig(max_num_batched_tokens=32,  # prompts chunked across steps
+                                                speculative=SpeculativeConfig(num_tokens=k)))
+    outs = engine.generate(_echo(6), GREEDY, progress=False)
+    assert [o.outputs[0].token_ids for o in outs] == stock
+    spec = engine.stats()["speculation"]
+    assert spec["drafted"] > 0
+    if which == 1:  # the copying model: prompt lookup predicts it
+        assert spec["acceptance_rate"] > 0.8 and spec["tokens_per_verified_row"] > 1.5
+    assert engine.blocks.num_used == 0
+
+
+def test_soak_with_preemption_aborts_and_sampled_neighbours():
+    """60 requests on a pool too small for them all (preemption by recompute), random aborts, sampled and n = 2
+    requests among greedy ones; every finished greedy output equals its solo run and no block leaks."""
+    _, model = _models()
+    rng = random.Random(0)
+    rows = _echo(60, seed=1)
+    solo = {}
+    llmplug.optimize(model, kv_num_blocks=24, kv_block_size=8)
+    engine = llmplug.Engine(model, EngineConfig(max_num_batched_tokens=48, speculative=SpeculativeConfig()))
+    ids, greedy = [], {}
+    for i, prompt in enumerate(rows):
+        kind = rng.random()
+        if kind < 0.2:
+            params = SamplingParams(max_new_tokens=12, temperature=0.9, seed=i, n=2 if kind < 0.1 else 1)
+        else:
+            params = SamplingParams(max_new_tokens=rng.randint(4, 20), temperature=0.0, ignore_eos=True)
+        rid = engine.add_request(prompt, params)
+        ids.append(rid)
+        if params.temperature == 0.0:
+            greedy[rid] = (prompt, params)
+    done, aborted = {}, set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+        if rng.random() < 0.05:
+            live = [r for r in ids if r not in done and r not in aborted]
+            if live:
+                victim = rng.choice(live)
+                engine.abort(victim)
+                aborted.add(victim)
+    assert engine.scheduler.num_preemptions > 0 and engine.stats()["speculation"]["accepted"] > 0
+    assert engine.blocks.num_used == 0
+    llmplug.unoptimize(model)
+    checked = 0
+    for rid, (prompt, params) in greedy.items():
+        out = done[rid]
+        if out.outputs[0].finish_reason == "abort":
+            continue
+        solo.setdefault(rid, _solo(model, prompt, params))
+        assert out.outputs[0].token_ids == solo[rid], rid
+        checked += 1
+    assert checked > 20
+
+
+def test_bad_speculative_config():
+    with pytest.raises(ValueError, match="method='eagle'"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="num_tokens=0"):
+        SpeculativeConfig(num_tokens=0)
+    with pytest.raises(ValueError, match="speculative="):
+        EngineConfig(speculative={"num_tokens": 4})

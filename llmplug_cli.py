@@ -1,5 +1,5 @@
 """``llmplug`` command line: ``llmplug bench`` compares stock HF and llmplug side by side; ``llmplug bench
-throughput`` runs the serving benchmark of ``llmplug.Engine``.
+throughput`` runs the serving benchmark of ``llmplug.Engine``; ``llmplug bench speculative`` speculative decoding's.
 
 This module is the console script's entry point and imports nothing heavy: ``import llmplug`` loads torch and
 transformers (it registers llmplug's quantizer with transformers, which takes seconds), so the arguments are parsed
@@ -42,6 +42,12 @@ def build_parser(throughput_arguments: Callable[[argparse.ArgumentParser], None]
     b.add_argument("--threads", type=_positive, help="intra-op CPU threads (torch.set_num_threads); default 1 on "
                                                      "CPU, torch's own on CUDA")
     bench_sub = b.add_subparsers(dest="bench_command")
+    spec = bench_sub.add_parser("speculative", help="speculative generate against plain: prompt lookup and the trained "
+                                                    "draft model on the shipped models (CUDA: --oracle curve too)")
+    spec.add_argument("--k", type=_positive, default=4, help="draft tokens a step at most (default 4)")
+    spec.add_argument("--batches", type=_positive, nargs="+", default=[1, 8])
+    spec.add_argument("--prompts", type=_positive, default=8, help="input-grounded prompts made from the stdlib")
+    spec.add_argument("--oracle", action="store_true", help="CUDA: the oracle curve on --model (default llama-1b)")
     help_ = "serving benchmark of llmplug.Engine (workloads a-e, stock HF on a)"
     if throughput_arguments is None:
         bench_sub.add_parser("throughput", help=help_, add_help=False)

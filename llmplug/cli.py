@@ -51,6 +51,39 @@ def _bench(args) -> int:
     return 0
 
 
+def _speculative(args) -> int:
+    """``llmplug bench speculative``: :mod:`llmplug.bench.spec`'s trained section (and the oracle curve on CUDA)."""
+    from transformers import AutoTokenizer
+
+    from .bench import report, sample, spec, timing
+
+    cuda = args.device.startswith("cuda")
+    path = sample.default_model()
+    if path is None:
+        print(f"(no shipped models: models/{sample.MODEL_NAME} is not beside the package, as in a wheel install)")
+        return 1
+    dtype = _DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
+    new_tokens = args.new_tokens or (256 if cuda else 32)
+    repeats = args.repeats if cuda else 1
+    prompts = spec.grounded_prompts(AutoTokenizer.from_pretrained(path), max(args.prompts, *args.batches))
+    results = {"env": report.environment(), "ceilings": timing.ceilings(args.device)}
+    results["rows"] = spec.trained(args.device, dtype, prompts, tuple(args.batches), new_tokens, args.k, repeats)
+    if args.oracle and cuda:
+        results["rows"] += spec.oracle(args.model or "llama-1b", results["ceilings"], tuple(args.batches), k=args.k,
+                                       new_tokens=new_tokens, repeats=repeats)
+    print("\n".join(spec.table(results["rows"])))
+    if not cuda:
+        print("(CPU: llmplug runs its reference path, compute-bound, so speculation brings no speed here; acceptance "
+              "and tokens a step carry over to a GPU, where a step is one weight read)")
+    if args.out:
+        print(f"saved {report.save(results, args.out)}")
+    same = all(r.get("identical", True) for r in results["rows"])
+    if dtype == torch.float32:
+        print(f"speculative outputs identical to plain decoding: {'yes' if same else 'NO'}")
+        return 0 if same else 1
+    return 0
+
+
 def _run(args) -> int:
     """Run the parsed command with ``--threads`` intra-op threads (on CPU one by default), restoring torch's count."""
     threads = args.threads if args.threads is not None else (1 if torch.device(args.device).type == "cpu" else None)
@@ -62,6 +95,8 @@ def _run(args) -> int:
             from .bench import throughput
 
             return throughput.main(args)
+        if args.bench_command == "speculative":
+            return _speculative(args)
         return _bench(args)
     finally:
         torch.set_num_threads(before)

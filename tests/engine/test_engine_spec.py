@@ -62,15 +62,17 @@ def test_greedy_equals_solo_runs(which, k):
     assert engine.blocks.num_used == 0
 
 
-def test_soak_with_preemption_aborts_and_sampled_neighbours():
-    """60 requests on a pool too small for them all (preemption by recompute), random aborts, sampled and n = 2
-    requests among greedy ones; every finished greedy output equals its solo run and no block leaks."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_soak_with_preemption_aborts_and_sampled_neighbours(mode):
+    """60 requests on a pool too small for them all (preemption), random aborts, sampled and n = 2 requests among
+    greedy ones; every finished greedy output equals its solo run and no block leaks."""
     _, model = _models()
     rng = random.Random(0)
     rows = _echo(60, seed=1)
     solo = {}
     llmplug.optimize(model, kv_num_blocks=24, kv_block_size=8)
-    engine = llmplug.Engine(model, EngineConfig(max_num_batched_tokens=48, speculative=SpeculativeConfig()))
+    engine = llmplug.Engine(model, EngineConfig(max_num_batched_tokens=48, preemption_mode=mode, swap_space_gb=0.01,
+                                                speculative=SpeculativeConfig()))
     ids, greedy = [], {}
     for i, prompt in enumerate(rows):
         kind = rng.random()

@@ -1,11 +1,13 @@
-"""The Engine's speculative steps: greedy requests verify prompt-lookup drafts inside continuous batching.
+"""The Engine's speculative steps: requests verify prompt-lookup drafts inside continuous batching.
 
-Each step, a running greedy request whose next token is a decode gets up to ``num_tokens`` drafts (the tokens after
-the latest earlier occurrence of its tail) when the pool has pages for them without preempting anyone and the step's
-token budget allows; the step computes its last token and the drafts, returns all their logits, and keeps the drafts
-while they equal the argmax, then the argmax after them (exactly greedy decoding's tokens). Rejected drafts are not
+Each step, a running request without penalties whose next token is a decode gets up to ``num_tokens`` drafts (the
+tokens after the latest earlier occurrence of its tail) when the pool has pages for them without preempting anyone and
+the step's token budget allows; the step computes its last token and the drafts and returns all their logits. A greedy
+request keeps the drafts while they equal the argmax, then the argmax after them (exactly greedy decoding's tokens); a
+sampled one verifies them by exact rejection sampling against the sampler's distribution (temperature, top-k/p,
+min-p; its own generator when seeded), so its tokens follow the same distribution. Rejected drafts are not
 counted as computed and their pages past the new end go back to the pool; they were never registered in the prefix
-cache (only known tokens are). Other rows of the step (prefill chunks, sampled or penalised requests) run as usual.
+cache (only known tokens are). Other rows of the step (prefill chunks, penalised requests) run as usual.
 """
 
 from __future__ import annotations
@@ -15,15 +17,18 @@ import time
 import torch
 
 from ..spec.ngram import propose_ngram
-from ..spec.rejection import greedy_accept
+from ..spec.rejection import greedy_accept, rejection_sample
 from .params import SpeculativeConfig
 from .request import RequestOutput, Sequence, Status
+from .sampler import generator_of, sampling_probs
 from .scheduler import StepPlan
 
 
-def _greedy_plain(seq: Sequence) -> bool:
+def _unpenalised(seq: Sequence) -> bool:
+    """Rows whose next-token distribution does not depend on earlier tokens beyond the model (no penalties, no
+    min-new-tokens mask left): every verified position then has the sampler's distribution of its logits."""
     p = seq.request.params
-    return (p.greedy and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+    return (p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
             and seq.num_output >= p.min_new_tokens)
 
 
@@ -81,7 +86,7 @@ class EngineSpeculation:
             d: list[int] = []
             p = seq.request.params
             if (budget > 0 and n == 1 and seq.num_computed == seq.num_tokens - 1 and seq.resolved == seq.num_tokens
-                    and _greedy_plain(seq) and len(seq.request.seqs) == p.n):
+                    and _unpenalised(seq) and len(seq.request.seqs) == p.n):
                 k = min(cfg.num_tokens, budget, p.max_new_tokens - seq.num_output - 1,
                         engine.runner.max_model_len - seq.num_tokens - 1)
                 if k > 0:
@@ -103,7 +108,13 @@ class EngineSpeculation:
         engine = self.engine
         k = len(drafts)
         drafted = torch.tensor([drafts], device=logits.device)
-        tokens, emitted = greedy_accept(logits[None], drafted, torch.tensor([k], device=logits.device))
+        counts = torch.tensor([k], device=logits.device)
+        if seq.request.params.greedy:
+            tokens, emitted = greedy_accept(logits[None], drafted, counts)
+        else:  # exact rejection sampling; prompt lookup's drafts are deterministic (one-hot q)
+            probs = sampling_probs(logits, [seq] * (k + 1))
+            tokens, emitted = rejection_sample(probs[None], drafted, counts,
+                                               generators=[generator_of(seq, logits.device)])
         row = torch.cat([tokens[0], emitted]).tolist()
         emitted = row[-1]
         del seq.tokens[len(seq.tokens) - k:]

@@ -102,7 +102,8 @@ _SPEC_METHODS = ("ngram",)
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding in the Engine: each step, greedy requests verify up to ``num_tokens`` draft tokens.
+    """Speculative decoding in the Engine: each step, requests without penalties verify up to ``num_tokens`` draft
+    tokens (greedy ones by equality with the argmax, sampled ones by exact rejection sampling).
 
     Attributes:
         method: ``"ngram"`` (prompt lookup: the tokens after the latest earlier occurrence of the sequence's tail).

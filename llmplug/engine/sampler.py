@@ -50,8 +50,9 @@ def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         logits[rows] -= freq * counts + pres * (counts > 0)
 
 
-def _filter_and_draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Sampled rows: ``logits (R, V) float32`` -> tokens ``(R,)``."""
+def _filtered(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled rows' distributions after temperature, top-k, top-p and min-p: ``logits (R, V) float32`` ->
+    ``(probs, order)``, both ``(R, V)`` in descending logit order (``order`` maps them back to token ids)."""
     dev = logits.device
     params = [s.request.params for s in seqs]
     temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]
@@ -66,15 +67,33 @@ def _filter_and_draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     ordered = ordered.masked_fill((before >= top_p) & (rank > 0), -float("inf"))
     probs = ordered.softmax(-1)
     ordered = ordered.masked_fill(probs < min_p * probs[:, :1], -float("inf"))
-    probs = ordered.softmax(-1)
+    return ordered.softmax(-1), order
+
+
+def generator_of(seq: Sequence, device: torch.device) -> torch.Generator | None:
+    """A seeded sequence's own generator on ``device`` (made on first use), None for unseeded ones."""
+    if seq.seed is not None and seq.generator is None:
+        seq.generator = torch.Generator(device).manual_seed(seq.seed)
+    return seq.generator
+
+
+def _filter_and_draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Sampled rows: ``logits (R, V) float32`` -> tokens ``(R,)``."""
+    probs, order = _filtered(logits, seqs)
     q = torch.empty_like(probs).exponential_()
     for i, s in enumerate(seqs):
-        if s.seed is not None:
-            if s.generator is None:
-                s.generator = torch.Generator(dev).manual_seed(s.seed)
-            q[i].exponential_(generator=s.generator)
+        g = generator_of(s, logits.device)
+        if g is not None:
+            q[i].exponential_(generator=g)
     picked = (probs / q).argmax(-1)
     return order.gather(1, picked[:, None]).squeeze(1)
+
+
+def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """What :func:`sample` draws from for sampled rows without penalties: ``logits (R, V)`` -> probabilities
+    ``(R, V)`` float32 in token order (speculative verification's target distribution)."""
+    probs, order = _filtered(logits.to(torch.float32), seqs)
+    return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

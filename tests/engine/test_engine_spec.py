@@ -12,6 +12,7 @@ from llmplug.engine.params import EngineConfig, SamplingParams, SpeculativeConfi
 from tests.tiny_models import make_model, prompts, reference_kernels
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+TEMPERATURE = 4.0  # the copying model's logits are far apart: this spreads its first sample (top prob ~0.35)
 
 
 @pytest.fixture(autouse=True)
@@ -115,3 +116,56 @@ def test_bad_speculative_config():
         SpeculativeConfig(num_tokens=0)
     with pytest.raises(ValueError, match="speculative="):
         EngineConfig(speculative={"num_tokens": 4})
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_sampled_requests_are_exact_in_distribution(biased, monkeypatch):
+    """3,000 sampled requests of one prompt that ends in a repeat, on a model that likes to repeat, three new tokens:
+    the (first, second) pairs follow the model's exact joint distribution after temperature and top-p (chi-square),
+    the second coming from verify steps that accept or reject prompt lookup's drafts; a sampler that redraws from p
+    after a rejection fails."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    from llmplug.engine import engine_spec
+    from tests.spec.test_generate_spec import _biased_rejection
+
+    if biased:
+        monkeypatch.setattr(engine_spec, "rejection_sample", _biased_rejection)
+    torch.manual_seed(0)  # the model TEMPERATURE was chosen for
+    model = _copying(make_model("llama", tie_word_embeddings=True))  # likes to repeat: drafts get accepted
+    stock = make_model("llama", tie_word_embeddings=True)
+    stock.load_state_dict(model.state_dict())
+    prompt = (torch.randperm(125, generator=torch.Generator().manual_seed(3)) + 3).tolist()
+    prompt += prompt[-1:]  # a repeat at the end: prompt lookup drafts another one
+    llmplug.optimize(model)
+    engine = llmplug.Engine(model, EngineConfig(max_num_seqs=512, speculative=SpeculativeConfig(num_tokens=3)))
+    n = 3000
+    torch.manual_seed(0)
+    params = SamplingParams(max_new_tokens=3, temperature=TEMPERATURE, top_p=0.95, ignore_eos=True)
+    outs = engine.generate([prompt] * n, params, progress=False)
+    assert all(out.error is None for out in outs)
+    spec = engine.stats()["speculation"]
+    assert spec["drafted"] > 500 and 0 < spec["accepted"] < spec["drafted"]
+    warp = LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopPLogitsWarper(0.95)])
+
+    def dist(ids):
+        with torch.no_grad():
+            logits = stock(input_ids=ids).logits[:, -1].float()
+        return torch.softmax(warp(ids, logits), dim=-1)
+
+    ids = torch.tensor([prompt])
+    first = dist(ids)[0]
+    support = first.nonzero().squeeze(1)
+    second = dist(torch.cat([ids.repeat(len(support), 1), support[:, None]], dim=1))
+    expected = (first[support, None] * second).reshape(-1) * n
+    cell = {(a, b): i for i, (a, b) in enumerate((a, b) for a in support.tolist() for b in range(second.shape[1]))}
+    observed = torch.zeros_like(expected)
+    for out in outs:
+        observed[cell[tuple(out.outputs[0].token_ids[:2])]] += 1
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    df = torch.tensor((len(exp) - 1) / 2, dtype=torch.float64)
+    p_value = float(torch.special.gammaincc(df, torch.tensor(chi2 / 2, dtype=torch.float64)))
+    assert (p_value < 1e-6) if biased else (p_value > 1e-3), (chi2, len(exp), p_value, spec)

@@ -175,9 +175,9 @@ def test_speculation_on_cuda_graphs(family, monkeypatch):
     assert llmplug.spec_stats(fast).acceptance_rate == 1.0
 
 
-def _biased_rejection(probs, drafts, counts):
+def _biased_rejection(probs, drafts, counts, generators=None):
     """A plausible bug: after a rejection, draw from ``p`` instead of the residual ``max(p - q, 0)``."""
-    tokens, emitted = rejection_sample(probs, drafts, counts)
+    tokens, emitted = rejection_sample(probs, drafts, counts, generators=generators)
     rejected = (emitted - 1) < counts
     redraw = torch.multinomial(probs[torch.arange(len(emitted)), emitted - 1], 1).squeeze(1)
     tokens[rejected, emitted[rejected] - 1] = redraw[rejected]

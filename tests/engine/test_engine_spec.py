@@ -9,6 +9,7 @@ import torch
 
 import llmplug
 from llmplug.engine.params import EngineConfig, SamplingParams, SpeculativeConfig
+from tests.stats import chi_square_p, pair_counts
 from tests.tiny_models import make_model, prompts, reference_kernels
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
@@ -158,14 +159,6 @@ def test_sampled_requests_are_exact_in_distribution(biased, monkeypatch):
     support = first.nonzero().squeeze(1)
     second = dist(torch.cat([ids.repeat(len(support), 1), support[:, None]], dim=1))
     expected = (first[support, None] * second).reshape(-1) * n
-    cell = {(a, b): i for i, (a, b) in enumerate((a, b) for a in support.tolist() for b in range(second.shape[1]))}
-    observed = torch.zeros_like(expected)
-    for out in outs:
-        observed[cell[tuple(out.outputs[0].token_ids[:2])]] += 1
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    chi2 = float(((obs - exp) ** 2 / exp).sum())
-    df = torch.tensor((len(exp) - 1) / 2, dtype=torch.float64)
-    p_value = float(torch.special.gammaincc(df, torch.tensor(chi2 / 2, dtype=torch.float64)))
-    assert (p_value < 1e-6) if biased else (p_value > 1e-3), (chi2, len(exp), p_value, spec)
+    observed = pair_counts([out.outputs[0].token_ids[:2] for out in outs], support, second.shape[1])
+    p_value, cells = chi_square_p(observed, expected)
+    assert (p_value < 1e-6) if biased else (p_value > 1e-3), (cells, p_value, spec)

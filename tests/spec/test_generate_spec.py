@@ -20,6 +20,7 @@ from llmplug.spec import decode as spec_decode
 from llmplug.spec.adaptive import AdaptiveK, expected_tokens
 from llmplug.spec.rejection import rejection_sample
 from llmplug.state import state_of
+from tests.stats import chi_square_p, pair_counts
 from tests.tiny_models import make_model, pad, prompts, reference_kernels
 
 
@@ -211,18 +212,9 @@ def test_speculative_sampling_is_exact_in_distribution(biased, monkeypatch):
     support = first.nonzero().squeeze(1)
     second = dist(torch.cat([prompt.repeat(len(support), 1), support[:, None]], dim=1))
     expected = (first[support, None] * second).reshape(-1) * n  # cell (t1, t2)
-    cell = {(int(a), int(b)): i for i, (a, b) in enumerate(
-        (a, b) for a in support.tolist() for b in range(second.shape[1]))}
-    observed = torch.zeros_like(expected)
-    for a, b in out[:, -3:-1].tolist():
-        observed[cell[(a, b)]] += 1  # KeyError: a first token outside the warped support
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    chi2 = float(((obs - exp) ** 2 / exp).sum())
-    df = torch.tensor((len(exp) - 1) / 2, dtype=torch.float64)
-    p_value = float(torch.special.gammaincc(df, torch.tensor(chi2 / 2, dtype=torch.float64)))
-    assert (p_value < 1e-6) if biased else (p_value > 1e-3), (chi2, len(exp), p_value)
+    observed = pair_counts(out[:, -3:-1].tolist(), support, second.shape[1])
+    p_value, cells = chi_square_p(observed, expected)
+    assert (p_value < 1e-6) if biased else (p_value > 1e-3), (cells, p_value)
 
 
 def test_drafts_stay_inside_max_model_len():

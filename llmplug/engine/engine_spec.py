@@ -12,6 +12,7 @@ cache (only known tokens are). Other rows of the step (prefill chunks, penalised
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -62,19 +63,16 @@ class EngineSpeculation:
         counts = [(1 + len(d)) if end else 0 for d, end in zip(drafts, ends)]
         logits, rows = engine._execute(plan, num_logits=counts)
         engine._advance(plan)
-        offsets = [0]
-        for c in counts:
-            offsets.append(offsets[-1] + c)
-        sampled, picks = [], []
-        now = time.perf_counter()
-        for i in rows:
-            seq, d = plan.seqs[i], drafts[i]
-            if d:
-                self._accept(seq, d, logits[offsets[i]:offsets[i + 1]], now, finished)
-            else:
-                sampled.append(seq)
-                picks.append(offsets[i])
-        return engine._sample_rows(sampled, logits[torch.tensor(picks, device=logits.device)]) if sampled else None
+        starts = list(itertools.accumulate(counts, initial=0))
+        verified = [i for i in rows if drafts[i]]
+        if verified:
+            self._accept([plan.seqs[i] for i in verified], [drafts[i] for i in verified], logits,
+                         [starts[i] for i in verified], finished)
+        sampled = [i for i in rows if not drafts[i]]
+        if not sampled:
+            return None
+        picks = torch.tensor([starts[i] for i in sampled], device=logits.device)
+        return engine._sample_rows([plan.seqs[i] for i in sampled], logits[picks])
 
     def _propose(self, plan: StepPlan) -> list[list[int]]:
         """Drafts for each row of ``plan`` (empty where it gets none), their pages allocated."""
@@ -101,36 +99,44 @@ class EngineSpeculation:
             out.append(d)
         return out
 
-    def _accept(self, seq: Sequence, drafts: list[int], logits: torch.Tensor, now: float,
+    def _accept(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor, starts: list[int],
                 finished: list[RequestOutput]) -> None:
-        """Keep ``seq``'s drafts the target agrees with (``logits (1 + k, V)`` of its last token and drafts), then
-        emit its own next token; stop checks run token by token."""
-        engine = self.engine
-        k = len(drafts)
-        drafted = torch.tensor([drafts], device=logits.device)
-        counts = torch.tensor([k], device=logits.device)
-        if seq.request.params.greedy:
-            tokens, emitted = greedy_accept(logits[None], drafted, counts)
-        else:  # exact rejection sampling; prompt lookup's drafts are deterministic (one-hot q)
-            probs = sampling_probs(logits, [seq] * (k + 1))
-            tokens, emitted = rejection_sample(probs[None], drafted, counts,
-                                               generators=[generator_of(seq, logits.device)])
-        row = torch.cat([tokens[0], emitted]).tolist()
-        emitted = row[-1]
-        del seq.tokens[len(seq.tokens) - k:]
-        seq.num_computed -= k - (emitted - 1)  # the last token and the accepted drafts have KV
-        keep = -(-(seq.num_computed + 1) // engine.block_size)  # the next step writes at num_computed
-        if len(seq.blocks) > keep:
-            engine.blocks.free(seq.blocks[keep:])
-            del seq.blocks[keep:]
-        self.drafted += k
-        self.accepted += emitted - 1
-        self.steps += 1
-        for token in row[:emitted]:
-            seq.tokens.append(token)
-            seq.resolved = seq.num_tokens
-            engine.metrics.output_tokens += 1
-            seq.register_full_blocks(engine.blocks)
-            engine._check_stop(seq, token, now, finished)
-            if seq.status is Status.FINISHED:
-                break
+        """Verify every row's drafts at once (row ``i``'s last token and drafts have ``logits[starts[i]:][:1 + k_i]``)
+        and read the result once; keep what the target agrees with (:meth:`Sequence.rollback` drops the rest), then
+        the target's own next token, with stop checks token by token."""
+        engine, dev = self.engine, logits.device
+        k = max(map(len, drafts))
+        index = torch.tensor([[s + min(j, len(d)) for j in range(k + 1)] for s, d in zip(starts, drafts)], device=dev)
+        block = logits[index]  # (R, k + 1, V); a row's positions past its drafts repeat its last one (never used)
+        drafted = torch.tensor([d + [0] * (k - len(d)) for d in drafts], device=dev)
+        counts = torch.tensor([len(d) for d in drafts], device=dev)
+        out = torch.empty((len(seqs), k + 2), dtype=torch.long, device=dev)
+        greedy = [i for i, s in enumerate(seqs) if s.request.params.greedy]
+        sampled = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
+        for group in (greedy, sampled):
+            if not group:
+                continue
+            rows = torch.tensor(group, device=dev)
+            if group is greedy:
+                tokens, emitted = greedy_accept(block[rows], drafted[rows], counts[rows])
+            else:  # exact rejection sampling; prompt lookup's drafts are deterministic (one-hot q)
+                probs = sampling_probs(block[rows].flatten(0, 1), [seqs[i] for i in group for _ in range(k + 1)])
+                tokens, emitted = rejection_sample(probs.view(len(group), k + 1, -1), drafted[rows], counts[rows],
+                                                   generators=[generator_of(seqs[i], dev) for i in group])
+            out[rows] = torch.cat([tokens, emitted[:, None]], dim=1)
+        now = time.perf_counter()
+        for seq, d, row in zip(seqs, drafts, out.tolist()):  # one read of the device
+            emitted = row[-1]
+            start = seq.num_tokens - len(d)
+            seq.rollback(len(d) - (emitted - 1), engine.blocks)  # the rejected drafts; the accepted ones have KV
+            seq.tokens.append(row[emitted - 1])
+            self.drafted += len(d)
+            self.accepted += emitted - 1
+            self.steps += 1
+            for pos in range(start, seq.num_tokens):
+                seq.resolved = pos + 1
+                engine.metrics.output_tokens += 1
+                seq.register_full_blocks(engine.blocks)
+                engine._check_stop(seq, seq.tokens[pos], now, finished)
+                if seq.status is Status.FINISHED:
+                    break

@@ -104,7 +104,11 @@ class ModelRunner:
     def forget_stale_prefixes(self) -> None:
         """Drop the prefix cache's entries when the weights changed since they were computed: an in-place update
         (an optimizer step, ``load_state_dict``) bumps a parameter's version counter, a replaced one its storage.
-        Parameters without a version counter (inference tensors) make every check drop them."""
+        Parameters without a version counter (inference tensors) make every check drop them. Nothing to check while
+        the pool caches no prefix (the walk over the parameters is skipped)."""
+        if self.cache is None or not self.cache.blocks.enabled:
+            self._weights_version = None  # the next check, once caching is on, starts afresh
+            return
         try:
             version = hash(tuple((p.data_ptr(), p._version) for p in self.model.parameters()))
         except RuntimeError:

@@ -129,7 +129,7 @@ class SequenceBatch:
         with ``every_token`` its chunk's ``(takes[i], V)``."""
         seqs = [self.seqs[r] for r in rows]
         self._grow(rows, [s.num_computed + n for s, n in zip(seqs, takes)])
-        ctx = build_step(seqs, takes, self.block_size, self.device, block_tables=self.block_table_dev[rows],
+        ctx = build_step(seqs, takes, self.block_size, self.device, block_tables=self.tables(rows),
                          all_logits=every_token)
         out = self.runner.step(ctx)
         for seq, n in zip(seqs, takes):
@@ -171,16 +171,7 @@ class SequenceBatch:
         rows = len(self.seqs)
         graph, buf = graph_buf
         width = self.block_table_dev.shape[1]
-        buf["input_ids"][:rows].copy_(tokens)
-        buf["positions"].fill_(-1)
-        buf["positions"][:rows].copy_(to_device(torch.tensor([s.num_computed for s in self.seqs]), self.device))
-        buf["unfinished"].zero_()
-        buf["unfinished"][:rows].copy_(stops.device_flags())
-        buf["eos"].fill_(-1)
-        buf["eos"][:eos.numel()].copy_(eos)
-        buf["pad"].fill_(stops.pad)
-        buf["counters"].zero_()
-        buf["block_tables"][:rows, :width].copy_(self.block_table_dev)
+        self._arm(buf, list(range(rows)), tokens, stops.device_flags(), eos, stops.pad)
         queued, ran = [], 0
         while ran < steps and not stops.done:
             n = min(GREEDY_RING, steps - ran)
@@ -202,6 +193,45 @@ class SequenceBatch:
         for seq in self.seqs:
             seq.num_computed += ran
         return ran
+
+    def ring(self, rows: list[int], last: list[int], n: int) -> list[list[int]] | None:
+        """``n <= GREEDY_RING`` greedy decode steps of ``rows`` (their last tokens ``last``), each one replay of the
+        runner's greedy graph, read once -> each row's ``n`` new tokens; None where decode steps run eagerly. No stop
+        is applied on the device (the caller's bookkeeping decides what it keeps)."""
+        graph_buf = self.runner.greedy_graph(len(rows))
+        if graph_buf is None:
+            return None
+        graph, buf = graph_buf
+        self._grow(rows, [self.seqs[r].num_computed + n for r in rows])
+        self._arm(buf, rows, torch.tensor(last), torch.ones(len(rows), dtype=torch.bool),
+                  torch.empty(0, dtype=torch.long), 0)
+        for _ in range(n):
+            graph.replay()
+        for r in rows:
+            self.seqs[r].num_computed += n
+        return buf["ring"][:len(rows), :n].tolist()
+
+    def tables(self, rows: list[int]) -> torch.Tensor:
+        """``(len(rows), M)`` device page table of ``rows`` (the table itself when they are every row, in order)."""
+        return self.block_table_dev if rows == list(range(len(self.seqs))) else self.block_table_dev[rows]
+
+    def _arm(self, buf: dict[str, torch.Tensor], rows: list[int], tokens: torch.Tensor, unfinished: torch.Tensor,
+             eos: torch.Tensor, pad: int) -> None:
+        """Load a token-loop graph's buffers (:meth:`ModelRunner.greedy_graph`) for ``rows``: their input tokens
+        ``(R,)``, positions, pages and ``unfinished (R,)`` flags, the ``eos`` ids the device stops on, the ``pad`` id,
+        a zeroed step counter; the bucket's other rows are padding (position -1)."""
+        count = len(rows)
+        tables = self.tables(rows)
+        buf["input_ids"][:count].copy_(tokens)
+        buf["positions"].fill_(-1)
+        buf["positions"][:count].copy_(to_device(torch.tensor([self.seqs[r].num_computed for r in rows]), self.device))
+        buf["unfinished"].zero_()
+        buf["unfinished"][:count].copy_(unfinished)
+        buf["eos"].fill_(-1)
+        buf["eos"][:eos.numel()].copy_(eos)
+        buf["pad"].fill_(pad)
+        buf["counters"].zero_()
+        buf["block_tables"][:count, :tables.shape[1]].copy_(tables)
 
     @staticmethod
     def _take_ring(ring: torch.Tensor, event, stops: LateStops, unfinished: torch.Tensor) -> None:

@@ -93,24 +93,22 @@ def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, 
         The :class:`StepContext`.
     """
     rows = len(seqs)
-    picked = None
-    if num_logits is not None:
-        if list(num_logits) == list(num_new):
-            all_logits = True
-        else:
-            picked = to_device(torch.tensor([s + n - c + j for s, n, c in zip(itertools.accumulate(num_new, initial=0),
-                                                                            num_new, num_logits) for j in range(c)],
-                                            dtype=torch.long), device)
-    if input_ids is not None and input_ids.device != device:
-        ids_given, input_ids = input_ids.tolist(), None
-    else:
-        ids_given = None
-    tables = block_tables if block_tables is not None else block_table([s.blocks for s in seqs], device)
-    uniform = num_new[0] if all(n == num_new[0] for n in num_new) else 0
     starts = list(itertools.accumulate(num_new, initial=0))
     firsts = [s.num_computed for s in seqs]
-    ids = [] if input_ids is not None else ids_given if ids_given is not None else list(
-        itertools.chain.from_iterable(s.tokens[c:c + n] for s, c, n in zip(seqs, firsts, num_new)))
+    picked = None  # the token rows whose logits come back, when num_logits picks some
+    if num_logits is not None:
+        all_logits = list(num_logits) == list(num_new)
+        if not all_logits:
+            picked = to_device(torch.tensor([s + n - c + j for s, n, c in zip(starts, num_new, num_logits)
+                                             for j in range(c)], dtype=torch.long), device)
+    if input_ids is None:  # the ids go to the device with the step's other host data
+        ids = list(itertools.chain.from_iterable(s.tokens[c:c + n] for s, c, n in zip(seqs, firsts, num_new)))
+    elif input_ids.device != device:
+        ids, input_ids = input_ids.tolist(), None
+    else:
+        ids = []
+    tables = block_tables if block_tables is not None else block_table([s.blocks for s in seqs], device)
+    uniform = num_new[0] if all(n == num_new[0] for n in num_new) else 0
     if uniform:
         small = to_device(torch.tensor(firsts + ids, dtype=torch.long), device)
         last = picked

@@ -15,7 +15,7 @@ import torch
 
 from ..engine.late_stops import LateStops
 from ..engine.runner import GREEDY_RING
-from ..engine.step import build_step, to_device
+from ..engine.step import build_step
 from .adaptive import AdaptiveK
 from .rejection import greedy_accept, rejection_sample
 from .stats import SpecStats
@@ -42,111 +42,103 @@ def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[i
     Returns:
         The call's :class:`SpecStats`; the kept tokens are in ``stops``.
     """
-    rows = len(seqs)
-    pending: list[list[int]] = [[] for _ in range(rows)]  # emitted, not yet fed to ``stops``
-    produced = [0] * rows
-    ended = [False] * rows  # emitted an eos that HF will pad after
-    stats = SpecStats(per_row_steps=[0] * rows, per_row_emitted=[0] * rows)
-    device = seqs.device
+    rows = _Rows(seqs, histories, steps, eos, stops.has_eos)
     while not stops.done:
-        # rows that still need tokens (without an eos criterion HF keeps finished rows' real tokens: they go on)
-        active = [r for r in range(rows) if produced[r] < steps and not ended[r]
-                  and (not stops.has_eos or bool(stops.unfinished[r]))]
+        active = rows.active(stops)
         if active:
-            k = min(policy.choose(len(active)), max(steps - produced[r] - 1 for r in active))
+            k = min(policy.choose(len(active)), max(steps - rows.produced[r] - 1 for r in active))
             if k > 0:
-                _verify_step(seqs, proposer, policy, k, histories, active, steps, produced, pending, ended, eos,
-                             stats, device, stops.has_eos, sample)
+                rows.verify(active, proposer.propose(active, histories, k), policy, sample)
             else:
-                _plain_steps(seqs, policy.probe_every, histories, active, steps, produced, pending, ended, eos,
-                             stats, device, stops.has_eos, sample)
-        # feed the columns every row has: a row that needs nothing more is padded (HF pads or cuts it anyway)
-        waiting = [len(pending[r]) for r in active if produced[r] < steps and not ended[r]]
-        width = min(waiting) if waiting else max(map(len, pending))
+                rows.plain(active, policy.probe_every, sample)
+        if not rows.feed(active, stops) and not active:
+            raise RuntimeError("speculative decoding stalled: no row needs tokens but generation has not ended")
+    return rows.stats
+
+
+class _Rows:
+    """The rows of one speculative call: their histories, the tokens not yet fed to HF's stop bookkeeping, how many
+    each produced, which ended on an eos; and the steps that advance them."""
+
+    def __init__(self, seqs, histories: list[list[int]], steps: int, eos: set[int], has_eos: bool) -> None:
+        self.seqs, self.histories, self.steps, self.eos, self.has_eos = seqs, histories, steps, eos, has_eos
+        count = len(seqs)
+        self.pending: list[list[int]] = [[] for _ in range(count)]  # emitted, not yet fed to the stops
+        self.produced = [0] * count
+        self.ended = [False] * count  # emitted an eos that HF will pad after
+        self.stats = SpecStats(per_row_steps=[0] * count, per_row_emitted=[0] * count)
+
+    def _needs(self, r: int) -> bool:
+        return self.produced[r] < self.steps and not self.ended[r]
+
+    def active(self, stops: LateStops) -> list[int]:
+        """Rows that still need tokens (without an eos criterion HF keeps finished rows' real tokens: they go on)."""
+        return [r for r in range(len(self.seqs))
+                if self._needs(r) and (not self.has_eos or bool(stops.unfinished[r]))]
+
+    def feed(self, active: list[int], stops: LateStops) -> bool:
+        """Feed ``stops`` the columns every row has (a row needing nothing more is padded: HF pads or cuts it anyway);
+        False when there was none."""
+        waiting = [len(self.pending[r]) for r in active if self._needs(r)]
+        width = min(waiting) if waiting else max(map(len, self.pending))
         if width == 0:
-            if not active:
-                raise RuntimeError("speculative decoding stalled: no row needs tokens but generation has not ended")
-            continue
-        chunk = torch.tensor([(p + [stops.pad] * width)[:width] for p in pending], dtype=torch.long)
-        for r in range(rows):
-            del pending[r][:width]
+            return False
+        chunk = torch.tensor([(p + [stops.pad] * width)[:width] for p in self.pending], dtype=torch.long)
+        for p in self.pending:
+            del p[:width]
         stops.feed(chunk)
-    return stats
+        return True
 
+    def _emit(self, r: int, tokens: list[int], drafted: int, steps_taken: int) -> None:
+        new = tokens[:self.steps - self.produced[r]]
+        self.histories[r].extend(new)
+        self.pending[r].extend(new)
+        self.produced[r] += len(new)
+        self.ended[r] = self.ended[r] or (self.has_eos and any(t in self.eos for t in new))
+        self.stats.drafted += drafted
+        self.stats.emitted += len(new)
+        self.stats.per_row_steps[r] += steps_taken
+        self.stats.per_row_emitted[r] += len(new)
 
-def _plain_steps(seqs, n, histories, active, steps, produced, pending, ended, eos, stats, device, has_eos,
-                 sample) -> None:
-    """Up to ``n`` decode steps of the ``active`` rows without drafts: greedy on CUDA ``n`` replays of the greedy
-    graph (tokens fed back on the device, read once at the end), otherwise one step at a time."""
-    n = min(n, GREEDY_RING, min(steps - produced[r] for r in active))  # no row computes past its limit
-    sub = [seqs.seqs[r] for r in active]
-    graph_buf = seqs.runner.greedy_graph(len(active)) if sample is None else None
-    if graph_buf is None:
-        for _ in range(n):
-            _verify_step(seqs, None, None, 0, histories, active, steps, produced, pending, ended, eos, stats, device,
-                         has_eos, sample)
-        return
-    graph, buf = graph_buf
-    rows = len(active)
-    seqs._grow(active, [s.num_computed + n for s in sub])
-    tables = seqs.block_table_dev[active] if rows < len(seqs) else seqs.block_table_dev
-    host = torch.tensor([[histories[r][-1] for r in active], [s.num_computed for s in sub]], dtype=torch.long)
-    first = to_device(host, device)
-    buf["input_ids"][:rows].copy_(first[0])
-    buf["positions"].fill_(-1)
-    buf["positions"][:rows].copy_(first[1])
-    buf["unfinished"].fill_(True)  # stops are HF's bookkeeping's business, on the host
-    buf["eos"].fill_(-1)
-    buf["counters"].zero_()
-    buf["block_tables"][:rows, :tables.shape[1]].copy_(tables)
-    for _ in range(n):
-        graph.replay()
-    ring = buf["ring"][:rows, :n].tolist()
-    stats.steps += n
-    for r, seq, row_tokens in zip(active, sub, ring):
-        seq.num_computed += n
-        _emit(r, row_tokens, 0, n, steps, produced, histories, pending, ended, eos, stats, has_eos)
+    def plain(self, active: list[int], n: int, sample) -> None:
+        """Up to ``n`` decode steps of ``active`` without drafts: greedy on CUDA one replay of the greedy graph each,
+        read once (:meth:`SequenceBatch.ring`), otherwise one step at a time."""
+        n = min(n, GREEDY_RING, min(self.steps - self.produced[r] for r in active))  # no row past its limit
+        ring = self.seqs.ring(active, [self.histories[r][-1] for r in active], n) if sample is None else None
+        if ring is None:
+            for _ in range(n):
+                self.verify(active, [[] for _ in active], None, sample)
+            return
+        self.stats.steps += n
+        for r, tokens in zip(active, ring):
+            self._emit(r, tokens, 0, n)
 
-
-def _emit(r, row_tokens, drafted, steps_taken, steps, produced, histories, pending, ended, eos, stats,
-          has_eos) -> None:
-    new = row_tokens[:steps - produced[r]]
-    histories[r].extend(new)
-    pending[r].extend(new)
-    produced[r] += len(new)
-    ended[r] = ended[r] or (has_eos and any(t in eos for t in new))
-    stats.drafted += drafted
-    stats.emitted += len(new)
-    stats.per_row_steps[r] += steps_taken
-    stats.per_row_emitted[r] += len(new)
-
-
-def _verify_step(seqs, proposer, policy, k, histories, active, steps, produced, pending, ended, eos, stats, device,
-                 has_eos, sample) -> None:
-    drafts = proposer.propose(active, histories, k) if k > 0 else [[] for _ in active]
-    drafts = [d[:max(0, min(k, steps - produced[r] - 1))] for r, d in zip(active, drafts)]
-    q = 1 + max(map(len, drafts))
-    filler = [d + [histories[r][-1]] * (q - 1 - len(d)) for r, d in zip(active, drafts)]  # verified like drafts
-    ids = torch.tensor([[histories[r][-1]] + f for r, f in zip(active, filler)], dtype=torch.long)
-    sub = [seqs.seqs[r] for r in active]
-    seqs._grow(active, [s.num_computed + q for s in sub])
-    tables = seqs.block_table_dev[active] if len(active) < len(seqs) else seqs.block_table_dev
-    ctx = build_step(sub, [q] * len(sub), seqs.block_size, device, input_ids=ids.reshape(-1), block_tables=tables,
-                     all_logits=True)
-    logits = seqs.runner.step(ctx).view(len(active), q, -1)
-    counts = torch.tensor([len(d) for d in drafts], device=device)
-    drafted = ctx.input_ids.view(len(active), q)[:, 1:]
-    if sample is None:
-        tokens, emitted = greedy_accept(logits, drafted, counts)
-    else:
-        probs = sample(logits.reshape(len(active) * q, -1)).view(len(active), q, -1)
-        tokens, emitted = rejection_sample(probs, drafted, counts)
-    both = torch.cat([tokens, emitted[:, None]], dim=1).tolist()  # one read of the device
-    tokens, emitted = [row[:-1] for row in both], [row[-1] for row in both]
-    if policy is not None:
-        policy.record(sum(len(d) for d in drafts), sum(n - 1 for n in emitted))
-    stats.steps += 1
-    for r, seq, row_tokens, n, d in zip(active, sub, tokens, emitted, drafts):
-        seq.num_computed += n  # the last token and the accepted drafts; the rest's KV slots are free again
-        stats.accepted += n - 1
-        _emit(r, row_tokens[:n], len(d), 1, steps, produced, histories, pending, ended, eos, stats, has_eos)
+    def verify(self, active: list[int], drafts: list[list[int]], policy: AdaptiveK | None, sample) -> None:
+        """One step over each active row's last token and its drafts (rows with fewer drafts are padded with filler
+        tokens, verified like drafts but never accepted); keep what the target agrees with."""
+        drafts = [d[:max(0, self.steps - self.produced[r] - 1)] for r, d in zip(active, drafts)]
+        q = 1 + max(map(len, drafts))
+        last = [self.histories[r][-1] for r in active]
+        ids = torch.tensor([[t] + d + [t] * (q - 1 - len(d)) for t, d in zip(last, drafts)], dtype=torch.long)
+        sub = [self.seqs.seqs[r] for r in active]
+        self.seqs._grow(active, [s.num_computed + q for s in sub])
+        device = self.seqs.device
+        ctx = build_step(sub, [q] * len(sub), self.seqs.block_size, device, input_ids=ids.reshape(-1),
+                         block_tables=self.seqs.tables(active), all_logits=True)
+        logits = self.seqs.runner.step(ctx).view(len(active), q, -1)
+        counts = torch.tensor([len(d) for d in drafts], device=device)
+        drafted = ctx.input_ids.view(len(active), q)[:, 1:]
+        if sample is None:
+            tokens, emitted = greedy_accept(logits, drafted, counts)
+        else:
+            probs = sample(logits.reshape(len(active) * q, -1)).view(len(active), q, -1)
+            tokens, emitted = rejection_sample(probs, drafted, counts)
+        both = torch.cat([tokens, emitted[:, None]], dim=1).tolist()  # one read of the device
+        if policy is not None:
+            policy.record(sum(map(len, drafts)), sum(row[-1] - 1 for row in both))
+        self.stats.steps += 1
+        for r, seq, row, d in zip(active, sub, both, drafts):
+            n = row[-1]
+            seq.num_computed += n  # the last token and the accepted drafts; the rest's KV slots are free again
+            self.stats.accepted += n - 1
+            self._emit(r, row[:n], len(d), 1)

@@ -57,7 +57,7 @@ class DraftModelProposer:
             seq.tokens = list(history)
         num_new = [s.num_tokens - s.num_computed for s in seqs]
         batch._grow(rows, [s.num_tokens + k - 1 for s in seqs])
-        tables = batch.block_table_dev[rows] if len(rows) < len(batch.seqs) else batch.block_table_dev
+        tables = batch.tables(rows)
         ctx = build_step(seqs, num_new, batch.block_size, batch.device, block_tables=tables)
         tokens = [batch.runner.step(ctx).argmax(-1)]
         for seq, n in zip(seqs, num_new):

@@ -2,14 +2,14 @@
 preemptions, ~10% aborted at random moments, every request checked against its output when run alone.
 
 Each request has a random prompt (some share a prefix, for prefix-cache hits), a random ``max_new_tokens``, and is
-greedy (most; some with ``n=2``, some with penalties and ``min_new_tokens``) or sampled with a seed; some stop at eos
-or at a few stop token ids. Requests arrive a few per step; an aborted request is aborted before it starts,
-mid-prefill or mid-decode. After every step the block accounting is checked (held blocks = blocks of unfinished
-sequences, swap slots = slots of swapped ones); at the end every block must be back. A request that finished is
-compared with the same prompt and parameters run through an idle engine with a big pool (``--reference batched``: all
-at once, no preemption; a mismatch is re-checked alone before it counts), alone one by one (``--reference alone``) or,
-for greedy requests without OpenAI-style penalties, with stock HF ``generate`` at batch 1 (``--reference hf``). An
-aborted request's tokens must be a prefix of its reference.
+greedy (most; some with ``n=2``, some with penalties and ``min_new_tokens``, some speculating with prompt lookup) or
+sampled with a seed; some stop at eos or at a few stop token ids. Requests arrive a few per step; an aborted request
+is aborted before it starts, mid-prefill or mid-decode. After every step the block accounting is checked (held blocks
+= blocks of unfinished sequences, swap slots = slots of swapped ones); at the end every block must be back. A request
+that finished is compared with the same prompt and parameters run through an idle engine with a big pool
+(``--reference batched``: all at once, no preemption; a mismatch is re-checked alone before it counts), alone one by
+one (``--reference alone``) or, for greedy requests without OpenAI-style penalties, with stock HF ``generate`` at
+batch 1 (``--reference hf``). An aborted request's tokens must be a prefix of its reference.
 
 Usage: python benchmarks/soak.py [--requests 5000] [--mode recompute|swap|both] [--device cpu|cuda] [--seed 0]
 
@@ -34,7 +34,7 @@ from transformers import GenerationConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import llmplug  # noqa: E402
-from llmplug import Engine, EngineConfig, SamplingParams  # noqa: E402
+from llmplug import Engine, EngineConfig, SamplingParams, SpeculativeConfig  # noqa: E402
 from llmplug.engine.request import Status  # noqa: E402
 from llmplug.ops._triton import cpu_kernels  # noqa: E402
 from llmplug.state import state_of  # noqa: E402
@@ -63,6 +63,7 @@ class SoakConfig:
     sampled_rate: float = 0.1
     penalty_rate: float = 0.1
     n2_rate: float = 0.05
+    spec_rate: float = 0.25  # share of plain greedy requests that speculate (prompt lookup, 1-4 drafts)
     eos_rate: float = 0.2
     stop_rate: float = 0.2
     priorities: int = 3
@@ -82,6 +83,7 @@ class SoakReport:
     preemptions: int = 0
     swapped_out: int = 0
     prefix_hit_rate: float = 0.0
+    drafted: int = 0  # draft tokens verified by speculating requests
     soak_s: float = 0.0
     reference_s: float = 0.0
     reference_noise: int = 0  # batched reference differed from the alone run, soak output equal to alone
@@ -98,7 +100,7 @@ class SoakReport:
                  f"x{c.block_size} tokens, reference={c.reference}",
                  f"  finished {self.finished}, aborted {self.aborted}, checked {self.checked}, steps {self.steps}, "
                  f"preemptions {self.preemptions}, sequences swapped out {self.swapped_out}, "
-                 f"prefix hit rate {self.prefix_hit_rate:.2f}",
+                 f"prefix hit rate {self.prefix_hit_rate:.2f}, drafts verified {self.drafted}",
                  f"  soak {self.soak_s:.1f} s, reference {self.reference_s:.1f} s, "
                  f"batched-reference noise {self.reference_noise}",
                  f"  mismatches {len(self.mismatches)}, leaks {len(self.leaks)}: {'OK' if self.ok else 'FAILED'}"]
@@ -139,7 +141,8 @@ def _jobs(cfg: SoakConfig, vocab: int, max_len: int) -> list[_Job]:
                                     frequency_penalty=rng.choice((0.0, 0.5)), presence_penalty=rng.choice((0.0, 0.3)),
                                     min_new_tokens=min(rng.choice((0, 2)), new), **common)
         else:
-            params = SamplingParams(temperature=0.0, n=2 if kind > 1 - cfg.n2_rate else 1, **common)
+            spec = SpeculativeConfig(num_tokens=rng.randint(1, 4)) if rng.random() < cfg.spec_rate else None
+            params = SamplingParams(temperature=0.0, n=2 if kind > 1 - cfg.n2_rate else 1, speculative=spec, **common)
         abort = rng.choice((0, rng.randint(1, 4), rng.randint(5, 40))) if rng.random() < cfg.abort_rate else None
         jobs.append(_Job(prompt, params, step, abort, f"soak_{i}"))
     return jobs
@@ -200,6 +203,7 @@ def run_soak(cfg: SoakConfig, stall_steps: int = 500) -> SoakReport:
         outputs = _drive(engine, jobs, report, stall_steps)
         report.preemptions = engine.scheduler.num_preemptions
         report.prefix_hit_rate = engine.stats()["prefix_hit_rate"]
+        report.drafted = engine.speculation.drafted
         problem = _check_accounting(engine)
         if problem or engine.blocks.num_used or engine.blocks.num_free != engine.blocks.num_total:
             report.leaks.append(f"after the run: {problem or ''} used {engine.blocks.num_used}, free "
@@ -328,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--abort-rate", type=float, default=SoakConfig.abort_rate)
     ap.add_argument("--penalty-rate", type=float, default=SoakConfig.penalty_rate,
                     help="share of greedy requests with repetition/frequency/presence penalties")
+    ap.add_argument("--spec-rate", type=float, default=SoakConfig.spec_rate,
+                    help="share of plain greedy requests that speculate with prompt lookup")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls: 1 is fastest)")
     args = ap.parse_args(argv)
     if args.device == "cpu":
@@ -338,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                          reference=args.reference, family=args.family, num_blocks=args.num_blocks,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                          watermark=args.watermark, policy=args.policy, abort_rate=args.abort_rate,
-                         penalty_rate=args.penalty_rate)
+                         penalty_rate=args.penalty_rate, spec_rate=args.spec_rate)
         report = run_soak(cfg)
         print(report.summary(), flush=True)
         ok &= report.ok and report.preemptions > 0

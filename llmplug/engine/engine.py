@@ -108,7 +108,7 @@ class Engine(ServingMixin):
         self._loop_error: BaseException | None = None
         self._warmed = False
         self._pending: _Pending | None = None  # the last launched step, whose tokens the host has not seen yet
-        self.speculation = EngineSpeculation(self, self.config.speculative) if self.config.speculative else None
+        self.speculation = EngineSpeculation(self)
 
     # ---- submission --------------------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -206,15 +206,15 @@ class Engine(ServingMixin):
     def _step(self) -> list[RequestOutput]:
         finished: list[RequestOutput] = []
         self._take_inbox(finished)
-        if self._pending is not None and (self.speculation is not None
-                                          or any(_needs_history(s) for s in self._pending.seqs)):
+        speculating = self.speculation.active()
+        if self._pending is not None and (speculating or any(_needs_history(s) for s in self._pending.seqs)):
             self._resolve(finished)  # drafts and penalties read every earlier token on the host: no step ahead then
         plan = self.scheduler.schedule()
         self.metrics.on_schedule(plan, self.blocks)
         launched = None
         if plan.seqs:
             try:
-                if self.speculation is not None:
+                if speculating:
                     launched = self.speculation.launch(plan, finished)
                 else:
                     launched = self._launch(plan)
@@ -444,13 +444,12 @@ class Engine(ServingMixin):
         self.metrics.reset()
         self.scheduler.num_preemptions = 0
         self.blocks.stats = type(self.blocks.stats)()
-        if self.speculation is not None:
-            self.speculation.drafted = self.speculation.accepted = self.speculation.steps = 0
+        self.speculation.drafted = self.speculation.accepted = self.speculation.steps = 0
 
     def stats(self) -> dict:
         """Latency percentiles, throughput, goodput, KV use, prefix hits and preemptions so far; with speculation its
         drafts, acceptance rate and tokens a verified row gained a step."""
         out = self.metrics.summary(self.blocks, self.scheduler.num_preemptions)
-        if self.speculation is not None:
+        if self.config.speculative is not None or self.speculation.drafted:
             out["speculation"] = self.speculation.summary()
         return out

@@ -1,6 +1,7 @@
 """The Engine's speculative steps: requests verify prompt-lookup drafts inside continuous batching.
 
-Each step, a running request without penalties whose next token is a decode gets up to ``num_tokens`` drafts (the
+Each step, a running request without penalties whose next token is a decode and that speculates (its
+``SamplingParams.speculative``, else ``EngineConfig.speculative``) gets up to ``num_tokens`` drafts (the
 tokens after the latest earlier occurrence of its tail) when the pool has pages for them without preempting anyone and
 the step's token budget allows; the step computes its last token and the drafts and returns all their logits. A greedy
 request keeps the drafts while they equal the argmax, then the argmax after them (exactly greedy decoding's tokens); a
@@ -40,10 +41,18 @@ class EngineSpeculation:
         drafted, accepted, steps: drafts proposed, drafts accepted and verify rows so far (for ``stats()``).
     """
 
-    def __init__(self, engine, config: SpeculativeConfig) -> None:
+    def __init__(self, engine) -> None:
         self.engine = engine
-        self.config = config
         self.drafted = self.accepted = self.steps = 0
+
+    def config_of(self, seq: Sequence) -> SpeculativeConfig | None:
+        """The request's own speculation settings, else the engine's (None: it does not speculate)."""
+        return seq.request.params.speculative or self.engine.config.speculative
+
+    def active(self) -> bool:
+        """Whether any request not yet done speculates (steps then wait for the previous step's tokens)."""
+        engine = self.engine
+        return engine.config.speculative is not None or any(r.params.speculative for r in engine._requests.values())
 
     def summary(self) -> dict:
         """Drafts proposed and accepted, the acceptance rate and the tokens a verified row gained per step."""
@@ -76,15 +85,15 @@ class EngineSpeculation:
 
     def _propose(self, plan: StepPlan) -> list[list[int]]:
         """Drafts for each row of ``plan`` (empty where it gets none), their pages allocated."""
-        engine, cfg = self.engine, self.config
+        engine = self.engine
         blocks, size = engine.blocks, engine.block_size
         budget = engine.config.max_num_batched_tokens - plan.num_tokens
         out = []
         for seq, n in zip(plan.seqs, plan.num_new):
             d: list[int] = []
-            p = seq.request.params
-            if (budget > 0 and n == 1 and seq.num_computed == seq.num_tokens - 1 and seq.resolved == seq.num_tokens
-                    and _unpenalised(seq) and len(seq.request.seqs) == p.n):
+            p, cfg = seq.request.params, self.config_of(seq)
+            if (cfg is not None and budget > 0 and n == 1 and seq.num_computed == seq.num_tokens - 1
+                    and seq.resolved == seq.num_tokens and _unpenalised(seq) and len(seq.request.seqs) == p.n):
                 k = min(cfg.num_tokens, budget, p.max_new_tokens - seq.num_output - 1,
                         engine.runner.max_model_len - seq.num_tokens - 1)
                 if k > 0:

@@ -421,10 +421,6 @@ def generate_batch(model, inputs: list[list[int]], generation_config: Generation
     if not inputs:
         return {}
     config = generation_config if generation_config is not None else model.generation_config
-    if getattr(config, "prompt_lookup_num_tokens", None) is not None:
-        warnings.warn("llmplug's generate_batch does not speculate yet (prompt_lookup_num_tokens is ignored, as stock "
-                      "generate_batch ignores it); use llmplug.Engine(model, EngineConfig(speculative=...))",
-                      stacklevel=2)
     n = int(config.num_return_sequences or 1)
     total = len(inputs) * n
     manager = init_continuous_batching(model, generation_config)

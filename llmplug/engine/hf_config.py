@@ -1,7 +1,9 @@
 """HF's :class:`GenerationConfig` read as llmplug :class:`SamplingParams`, the way HF's continuous batching reads it.
 
 The config's own values count (no global defaults merged in); ``do_sample`` unset is greedy; options the engine cannot
-apply raise, naming them; ``num_beams > 1`` warns and is ignored, as HF does.
+apply raise, naming them; ``num_beams > 1`` warns and is ignored, as HF does. ``prompt_lookup_num_tokens`` (with
+``max_matching_ngram_size``) makes every request speculate with prompt lookup (stock HF's continuous batching ignores
+it).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import warnings
 
 from transformers import GenerationConfig
 
-from .params import SamplingParams
+from .params import SamplingParams, SpeculativeConfig
 
 __all__ = ["REQUEST_KEYS", "eos_ids", "sampling_fields"]
 
@@ -49,6 +51,9 @@ def sampling_fields(config: GenerationConfig) -> dict:
         fields.update(temperature=1.0 if config.temperature is None else float(config.temperature),
                       top_k=int(config.top_k or 0), top_p=1.0 if config.top_p is None else float(config.top_p),
                       min_p=float(config.min_p or 0.0))
+    if config.prompt_lookup_num_tokens is not None:
+        fields["speculative"] = SpeculativeConfig(num_tokens=min(int(config.prompt_lookup_num_tokens), 15),
+                                                  max_ngram=int(config.max_matching_ngram_size or 2))
     SamplingParams(max_new_tokens=1, **fields)
     return fields
 

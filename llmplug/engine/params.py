@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["EngineConfig", "SamplingParams"]
+__all__ = ["EngineConfig", "SamplingParams", "SpeculativeConfig"]
 
 _POLICIES = ("fcfs", "priority")
 _PREEMPTION = ("recompute", "swap")
@@ -29,6 +29,34 @@ def _as_tuple(value, kind: type) -> tuple | None:
         return None
 
 
+_SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding in the Engine, for every request (``EngineConfig.speculative``) or one request
+    (``SamplingParams.speculative``): each step, a request without penalties verifies up to ``num_tokens`` draft
+    tokens (greedy ones by equality with the argmax, sampled ones by exact rejection sampling).
+
+    Attributes:
+        method: ``"ngram"`` (prompt lookup: the tokens after the latest earlier occurrence of the sequence's tail).
+        num_tokens: most draft tokens a request verifies in one step (1-15).
+        max_ngram, min_ngram: tail lengths prompt lookup tries, longest first.
+    """
+
+    method: str = "ngram"
+    num_tokens: int = 4
+    max_ngram: int = 2
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.method in _SPEC_METHODS, f"method={self.method!r} is not one of {_SPEC_METHODS}")
+        _check(_is_int(self.num_tokens) and 1 <= self.num_tokens <= 15,
+               f"num_tokens={self.num_tokens!r} must be an int in [1, 15]")
+        _check(_is_int(self.min_ngram) and _is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram,
+               f"need ints 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram!r}, max_ngram={self.max_ngram!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded. ``temperature == 0`` (or ``do_sample=False``) is greedy.
@@ -46,6 +74,7 @@ class SamplingParams:
         ignore_eos: generate ``max_new_tokens`` whatever the model emits.
         n: samples per prompt; they share the prompt's KV blocks.
         priority: lower runs first under the ``"priority"`` policy.
+        speculative: this request's :class:`SpeculativeConfig`; None: the engine's (``EngineConfig.speculative``).
     """
 
     max_new_tokens: int = 16
@@ -64,6 +93,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     priority: int = 0
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -91,37 +121,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         _check(_is_int(self.n) and self.n >= 1, f"n={self.n!r} must be an int >= 1")
         _check(_is_int(self.priority), f"priority={self.priority!r} must be an int")
+        _check(self.speculative is None or isinstance(self.speculative, SpeculativeConfig),
+               f"speculative={self.speculative!r} must be a SpeculativeConfig or None")
 
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
-
-
-_SPEC_METHODS = ("ngram",)
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding in the Engine: each step, requests without penalties verify up to ``num_tokens`` draft
-    tokens (greedy ones by equality with the argmax, sampled ones by exact rejection sampling).
-
-    Attributes:
-        method: ``"ngram"`` (prompt lookup: the tokens after the latest earlier occurrence of the sequence's tail).
-        num_tokens: most draft tokens a request verifies in one step (1-15).
-        max_ngram, min_ngram: tail lengths prompt lookup tries, longest first.
-    """
-
-    method: str = "ngram"
-    num_tokens: int = 4
-    max_ngram: int = 2
-    min_ngram: int = 1
-
-    def __post_init__(self) -> None:
-        _check(self.method in _SPEC_METHODS, f"method={self.method!r} is not one of {_SPEC_METHODS}")
-        _check(_is_int(self.num_tokens) and 1 <= self.num_tokens <= 15,
-               f"num_tokens={self.num_tokens!r} must be an int in [1, 15]")
-        _check(_is_int(self.min_ngram) and _is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram,
-               f"need ints 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram!r}, max_ngram={self.max_ngram!r}")
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,9 @@ class EngineConfig:
         swap_space_gb: CPU memory for swapped-out KV blocks.
         enable_prefix_caching: share full KV blocks of equal prefixes between requests.
         slo_ttft_s, slo_tpot_s: latency targets that ``stats()`` counts goodput against.
-        speculative: a :class:`SpeculativeConfig` (or None: no speculation). Steps then wait for the previous step's
-            tokens (drafts are proposed from them) instead of running one step ahead.
+        speculative: a :class:`SpeculativeConfig` for every request that sets none of its own (None: only requests
+            with ``SamplingParams.speculative`` speculate). While a request speculates, steps wait for the previous
+            step's tokens (drafts are proposed from them) instead of running one step ahead.
     """
 
     max_num_seqs: int = 256

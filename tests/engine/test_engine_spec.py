@@ -162,3 +162,48 @@ def test_sampled_requests_are_exact_in_distribution(biased, monkeypatch):
     observed = pair_counts([out.outputs[0].token_ids[:2] for out in outs], support, second.shape[1])
     p_value, cells = chi_square_p(observed, expected)
     assert (p_value < 1e-6) if biased else (p_value > 1e-3), (cells, p_value, spec)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_generate_batch_speculates_with_prompt_lookup(which):
+    """``generate_batch`` with ``prompt_lookup_num_tokens`` speculates (stock's ignores it) and every greedy output
+    equals stock HF's alone, for prompts of different lengths; a later call without it does not speculate."""
+    from transformers import GenerationConfig
+
+    model = _models()[which]
+    rows = _echo(5)
+    stock = [_solo(model, p, GREEDY) for p in rows]
+    llmplug.optimize(model)
+    config = GenerationConfig(max_new_tokens=GREEDY.max_new_tokens, do_sample=False, eos_token_id=None,
+                              prompt_lookup_num_tokens=3, max_matching_ngram_size=3)
+    res = model.generate_batch(rows, config)
+    assert [res[f"req_{i}"].generated_tokens for i in range(len(rows))] == stock
+    engine = llmplug.state.state_of(model).engine
+    spec = engine.stats()["speculation"]
+    assert spec["drafted"] > 0
+    if which == 1:
+        assert spec["acceptance_rate"] > 0.8
+    engine.reset_stats()
+    config.prompt_lookup_num_tokens = None
+    res = model.generate_batch(rows, config)
+    assert [res[f"req_{i}"].generated_tokens for i in range(len(rows))] == stock
+    assert "speculation" not in engine.stats() and engine.blocks.num_used == 0
+
+
+def test_one_request_speculates_beside_others():
+    """``SamplingParams(speculative=...)`` makes one request speculate in an engine without a default; its neighbour
+    does not, and both equal their solo runs."""
+    _, model = _models()
+    rows = _echo(2)
+    stock = [_solo(model, p, GREEDY) for p in rows]
+    llmplug.optimize(model)
+    engine = llmplug.Engine(model)
+    spec = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, speculative=SpeculativeConfig())
+    alone = engine.generate(rows[:1], spec, progress=False)[0].outputs[0].token_ids
+    first = engine.stats()["speculation"]
+    engine.reset_stats()
+    outs = engine.generate(rows, [spec, GREEDY], progress=False)
+    assert [o.outputs[0].token_ids for o in outs] == stock and alone == stock[0]
+    assert first["accepted"] > 0 and engine.stats()["speculation"] == first  # the neighbour drafted nothing
+    with pytest.raises(ValueError, match="speculative=4"):
+        SamplingParams(speculative=4)

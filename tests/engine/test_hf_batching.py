@@ -220,14 +220,3 @@ def test_unoptimize_restores_stock_methods():
     assert model.generate_batch.__func__ is type(model).generate_batch
     assert model.init_continuous_batching.__func__ is type(model).init_continuous_batching
 
-
-def test_generate_batch_says_it_does_not_speculate(pair):
-    """``prompt_lookup_num_tokens`` in the config: a warning (stock's generate_batch ignores it silently), the same
-    greedy tokens."""
-    stock, fast = pair
-    config = _greedy(5, eos_token_id=None)
-    config.prompt_lookup_num_tokens = 3
-    with pytest.warns(UserWarning, match="does not speculate yet"):
-        res = fast.generate_batch(prompts(2), config)
-    for i, row in enumerate(prompts(2)):
-        assert res[f"req_{i}"].generated_tokens == _stock_alone(stock, row, max_new_tokens=5, eos_token_id=None)

@@ -373,7 +373,7 @@ def test_soak(mode, reference):
 
     report = run_soak(SoakConfig(requests=200, mode=mode, seed=1, max_prompt=24, max_new=12, num_blocks=12,
                                  reference=reference))
-    assert report.preemptions > 0 and report.aborted > 10 and report.checked > 150
+    assert report.preemptions > 0 and report.aborted > 10 and report.checked > 150 and report.drafted > 0
     assert report.mismatches == [] and report.leaks == []
     if mode == "swap":
         assert report.swapped_out > 0

@@ -1,0 +1,107 @@
+"""Where a speculative ``generate`` step's time goes on CUDA: wall time per step against the GPU's busy time, and the
+host's heaviest Python functions and launches (issue 23: the verify step costs ~1.09x a decode step on the GPU, the
+measured step ~1.28x).
+
+Oracle proposer at ``--alpha`` on the decisive random-weight shape (:mod:`llmplug.bench.spec`), one profiled call per
+batch after a warm-up.
+
+    python benchmarks/spec_profile.py --model llama-8b --batches 1 8 --out profile.json
+"""
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import llmplug  # noqa: E402
+from llmplug.bench.shapes import build  # noqa: E402
+from llmplug.bench.spec import OracleProposer, decisive  # noqa: E402
+
+
+def _gpu_busy_us(prof) -> float:
+    """Union of the CUDA kernels' and copies' intervals (us)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, -1.0
+    for s, e in spans:
+        if s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy
+
+
+def profile_batch(model, b: int, alpha: float, k: int, new_tokens: int) -> dict:
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (b, 128), generator=torch.Generator().manual_seed(b)).cuda()
+    gen = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+    ref = model.generate(**gen).tolist()
+
+    def call():
+        return model.generate(**gen, assistant_model=OracleProposer(ref, alpha, vocab, seed=b), num_assistant_tokens=k)
+
+    call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    call()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    steps = llmplug.spec_stats(model).steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    busy = _gpu_busy_us(prof)
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+    pr = cProfile.Profile()
+    pr.enable()
+    call()
+    torch.cuda.synchronize()
+    pr.disable()
+    st = pstats.Stats(pr)
+    ours = sorted(((v[2], v[3], k[0].split("llmplug/")[-1] + ":" + k[2], v[1]) for k, v in st.stats.items()
+                   if "llmplug/" in k[0]), reverse=True)[:20]
+    out = {"batch": b, "alpha": alpha, "wall_ms": wall * 1e3, "steps": steps, "wall_per_step_ms": wall * 1e3 / steps,
+           "gpu_busy_ms_profiled": busy / 1e3,
+           "host_ops": [(e.key, e.count, e.self_cpu_time_total / e.count) for e in ops],
+           "python": [(name, calls, tot * 1e3, cum * 1e3) for tot, cum, name, calls in ours]}
+    print(f"\nbatch {b}: {wall * 1e3:.1f} ms wall (unprofiled), {steps} steps, {wall * 1e3 / steps:.3f} ms a step; "
+          f"profiled GPU busy {busy / 1e3:.1f} ms", flush=True)
+    print("  host ops (self cpu us/call x calls):")
+    for key, count, per in out["host_ops"]:
+        print(f"    {key[:60]:60s} {per:8.1f} x {count}")
+    print("  llmplug python (tottime ms, cumtime ms, calls):")
+    for name, calls, tot, cum in out["python"]:
+        print(f"    {name[:70]:70s} {tot:8.2f} {cum:8.2f} {calls}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-8b")
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--alpha", type=float, default=0.8)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = llmplug.optimize(decisive(build(args.model, torch.bfloat16, "cuda")))
+    rows = [profile_batch(model, b, args.alpha, args.k, args.new_tokens) for b in args.batches]
+    if args.out:
+        args.out.write_text(json.dumps({"model": args.model, "device": torch.cuda.get_device_name(), "rows": rows},
+                                       indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

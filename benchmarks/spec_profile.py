@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llmplug  # noqa: E402
 from llmplug.bench.shapes import build  # noqa: E402
 from llmplug.bench.spec import OracleProposer, decisive  # noqa: E402
+from llmplug.state import state_of  # noqa: E402
 
 
 def _gpu_busy_us(prof) -> float:
@@ -85,6 +86,39 @@ def profile_batch(model, b: int, alpha: float, k: int, new_tokens: int) -> dict:
     return out
 
 
+def graph_latency(model, repeats: int = 50) -> list[dict]:
+    """For every captured graph of the runner: the GPU time of one replay (events around back-to-back replays), the
+    host time of ``replay()`` itself, and the serial time of ``replay(); synchronize()`` (what a step costs when the
+    host must read its result before launching the next one)."""
+    runner = state_of(model).runner
+    out = []
+    for key, (graph, _) in list(runner._graphs.items()):
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        gpu = start.elapsed_time(end) / repeats
+        launch = serial = 0.0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            graph.replay()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            launch += t1 - t0
+            serial += t2 - t0
+        row = {"graph": str(key), "gpu_ms": gpu, "launch_ms": launch * 1e3 / repeats,
+               "serial_ms": serial * 1e3 / repeats}
+        print(f"  graph {row['graph']:24s} gpu {gpu:.3f} ms, replay() {row['launch_ms']:.3f} ms on the host, "
+              f"replay + sync {row['serial_ms']:.3f} ms", flush=True)
+        out.append(row)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-8b")
@@ -97,9 +131,11 @@ def main() -> int:
     torch.manual_seed(0)
     model = llmplug.optimize(decisive(build(args.model, torch.bfloat16, "cuda")))
     rows = [profile_batch(model, b, args.alpha, args.k, args.new_tokens) for b in args.batches]
+    print("\ngraphs:")
+    graphs = graph_latency(model)
     if args.out:
-        args.out.write_text(json.dumps({"model": args.model, "device": torch.cuda.get_device_name(), "rows": rows},
-                                       indent=1))
+        args.out.write_text(json.dumps({"model": args.model, "device": torch.cuda.get_device_name(), "rows": rows,
+                                        "graphs": graphs}, indent=1))
     return 0
 
 

@@ -8,6 +8,8 @@
                                                                # AutoModelForCausalLM.from_pretrained("out/")
 
     out = model.generate(**inputs, prompt_lookup_num_tokens=4)  # speculative, any batch size (or assistant_model=)
+    head = llmplug.load_eagle3("head_dir/", model)             # an EAGLE-3 head in the reference format
+    out = model.generate(**inputs, assistant_model=head, num_assistant_tokens=5)
     llmplug.spec_stats(model)                                  # its acceptance rate and tokens a step
 
     engine = llmplug.Engine(model, tokenizer=tokenizer)        # continuous batching
@@ -22,10 +24,11 @@ from .engine.request import CompletionOutput, RequestOutput, StreamDelta
 from .engine.scoring import logits
 from .errors import KVCacheFullError, UnsupportedModelError
 from .quant import LlmplugQuantConfig, QuantLinear, from_gptq_awq, from_quantized, quantize, save_quantized
+from .spec.eagle3 import load_eagle3
 from .spec.stats import spec_stats
 
 __all__ = ["CompletionOutput", "Engine", "EngineConfig", "KVCacheFullError", "LlmplugQuantConfig", "OptimizeConfig",
            "QuantLinear", "RequestOutput", "SamplingParams", "SpeculativeConfig", "StreamDelta",
-           "UnsupportedModelError", "from_gptq_awq", "from_quantized", "is_optimized", "logits", "optimize", "quantize",
-           "save_quantized", "spec_stats", "unoptimize"]
+           "UnsupportedModelError", "from_gptq_awq", "from_quantized", "is_optimized", "load_eagle3", "logits",
+           "optimize", "quantize", "save_quantized", "spec_stats", "unoptimize"]
 __version__ = "0.1.0"

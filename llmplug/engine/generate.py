@@ -26,7 +26,7 @@ from transformers.generation import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..state import current_state, require_state
-from .generate_spec import draft_tokens, prepare_draft, speculate
+from .generate_spec import aux_layers_of, draft_tokens, prepare_draft, speculate
 from .hf_cache import CACHE_FIELD, fill_hf_cache
 from .late_stops import LateStops, host_criteria
 from .runner import MAX_EOS, ModelRunner
@@ -224,7 +224,9 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
                       and all(type(p) in _GRAPH_WARPERS for p in logits_processor))
     spec_k = _speculation(generation_config, assistant, (plain_greedy or graph_sampling) and streamer is None and not (
         want_dict and model_kwargs.get(CACHE_FIELD) is not None), runner)
-    seqs = SequenceBatch(runner, input_ids, prompt_mask, generation_config.max_length + (spec_k or 0))
+    aux_layers = aux_layers_of(assistant) if spec_k else ()  # an EAGLE-3 head reads every position's layer inputs
+    seqs = SequenceBatch(runner, input_ids, prompt_mask, generation_config.max_length + (spec_k or 0),
+                         prefix_cache=not aux_layers)
     # On CUDA without a streamer the host learns that every row finished one step late (HF's DeferredStopCheck
     # idea): it queues step n+1 before it waits for step n, so the GPU never idles on the host's bookkeeping.
     deferred = input_ids.device.type == "cuda" and streamer is None
@@ -234,6 +236,8 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
                  if (plain_greedy or graph_sampling) and deferred else None)
     prompt_width = input_ids.shape[1]
     try:
+        if aux_layers:
+            runner.capture_aux(aux_layers)
         logits = seqs.prefill()
         while True:
             if plain_greedy:  # argmax of the bf16/fp16 logits equals argmax of their exact fp32 copies
@@ -301,6 +305,8 @@ def _decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_
         if want_dict and cache is not None:  # the KV stock would hand back: every token but the last
             fill_hf_cache(cache, runner, seqs, prompt_mask, prompt_width, input_ids.shape[1] - 1)
     finally:
+        if aux_layers:
+            runner.capture_aux(None)
         seqs.release()
     if streamer is not None:
         streamer.end()

@@ -1,6 +1,8 @@
 """``generate``'s speculative path: prompt lookup (``prompt_lookup_num_tokens``), a draft model (``assistant_model``,
-an HF causal LM) or any proposer object (``assistant_model=`` an object with ``propose`` and ``release``), for any batch
-size, greedy or sampling (exact rejection sampling). Stock HF raises for assisted generation above batch 1."""
+an HF causal LM), an EAGLE-3 head (``assistant_model=llmplug.load_eagle3(path, model)``) or any proposer object
+(``assistant_model=`` an object with ``propose`` and ``release``; one with ``aux_layers`` and ``observe`` also sees
+the target's inputs of those layers), for any batch size, greedy or sampling (exact rejection sampling). Stock HF
+raises for assisted generation above batch 1."""
 
 from __future__ import annotations
 
@@ -54,13 +56,19 @@ def prepare_draft(assistant, target) -> None:
     ensure_state(assistant)
 
 
+def aux_layers_of(assistant) -> tuple[int, ...]:
+    """The target layers whose inputs ``assistant`` observes (an EAGLE-3 head's), or ``()``."""
+    return tuple(getattr(assistant, "aux_layers", None) or ()) if _is_proposer(assistant) else ()
+
+
 def speculate(seqs: SequenceBatch, k: int, assistant, generation_config, input_ids: torch.Tensor,
               unfinished: torch.Tensor, stopping_criteria, pad, has_eos: bool, prompt_ids: torch.Tensor,
               prompt_mask: torch.Tensor | None, processors=None) -> tuple[torch.Tensor, SpecStats]:
     """Decode ``seqs`` speculatively after their first token -> ``(new tokens (B, n) host, stats)``.
 
     Args:
-        seqs: the call's rows, prefilled, pages sized for ``max_length + k``.
+        seqs: the call's rows, prefilled, pages sized for ``max_length + k``; for a proposer with ``aux_layers``,
+            prefilled without the prefix cache while the runner captured them.
         k: most drafts a step.
         assistant: the draft model, or None for prompt lookup.
         input_ids: ``(B, L + 1)`` prompts and the first token; unfinished: ``(B,)`` after it.
@@ -82,6 +90,8 @@ def speculate(seqs: SequenceBatch, k: int, assistant, generation_config, input_i
         draft = SequenceBatch(ensure_state(assistant).runner, prompt_ids, prompt_mask, generation_config.max_length + k,
                               prefix_cache=False)
         proposer = DraftModelProposer(draft)
+    if aux_layers_of(proposer):
+        proposer.observe(list(range(len(seqs))), seqs.prefill_aux())
     policy = AdaptiveK(k, RIDGE_TOKENS.get(seqs.device.type, 4.0))
     try:
         stats = speculative_decode(seqs, proposer, policy, histories, stops, limit - input_ids.shape[1],

@@ -2,7 +2,9 @@
 
 Uniform steps (every row the same number of new tokens: decodes, speculative verifies) replay CUDA graphs captured per
 (batch-size bucket, query length); single-sequence prefill chunks replay graphs captured per token bucket; everything
-else runs eagerly. The greedy and sampling graphs add the choice of the next token to a decode step.
+else runs eagerly. The greedy and sampling graphs add the choice of the next token to a decode step. While a caller
+wants some layers' input hidden states (an EAGLE-3 head, :meth:`ModelRunner.capture_aux`), every step also leaves
+them in ``runner.aux_hidden``; graphs captured so are kept beside the others, under keys that name the layers.
 """
 
 from __future__ import annotations
@@ -33,11 +35,15 @@ POSITION_ONLY_ROPE = {"default", "linear", "llama3", "yarn"}  # rope types whose
 
 def hf_forward(runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Tensor,
                logits_indices: torch.Tensor | None) -> torch.Tensor:
-    """The model's own HF forward with llmplug attention swapped in (any decoder-only family)."""
+    """The model's own HF forward with llmplug attention swapped in (any decoder-only family); with
+    :meth:`ModelRunner.capture_aux` on, HF's ``output_hidden_states`` (entry ``i`` is layer ``i``'s input)."""
     keep = logits_indices if logits_indices is not None else 0
+    aux = runner.aux_layers
     with runner.llmplug_attention():
         out = runner.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                           logits_to_keep=keep)
+                           logits_to_keep=keep, **({"output_hidden_states": True} if aux else {}))
+    if aux:
+        runner.aux_hidden = torch.cat([out.hidden_states[i][0] for i in aux], dim=-1)
     return out.logits[0]
 
 
@@ -68,6 +74,8 @@ class ModelRunner:
         self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._pool = None  # one CUDA-graph memory pool shared by every captured graph
         self._hf_configs = self._attention_configs()
+        self.aux_layers: tuple[int, ...] = ()  # layers whose inputs each step captures (capture_aux)
+        self.aux_hidden: torch.Tensor | None = None  # (T, len(aux_layers) * hidden): the last step's, when capturing
         # HF's dynamic / longrope rotary embeddings read position values on the host: no graph capture then. Where
         # every rope type depends on the position alone, a forward may tabulate cos/sin once (rope_by_position).
         rope = getattr(text, "rope_parameters", None) or {}
@@ -125,6 +133,25 @@ class ModelRunner:
         self._pool = None
         self.cache = None
         self.meta = None
+
+    def capture_aux(self, layers: tuple[int, ...] | None) -> None:
+        """From now on every :meth:`step` also leaves ``aux_hidden``: ``(T, len(layers) * hidden)``, the inputs of
+        ``layers`` (0: the embeddings) at each of the step's ``T`` tokens, concatenated in the order given; read it
+        before the next step (a graph replay overwrites it). ``None`` or ``()`` turns capture off. Graphs captured
+        without it stay for later and cost nothing meanwhile; graphs with it are captured on first use.
+
+        Raises:
+            ValueError: a layer outside ``0 .. num_layers - 1``.
+        """
+        layers = tuple(layers or ())
+        bad = [i for i in layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"aux layers {bad} outside the model's layers 0..{self.num_layers - 1}")
+        self.aux_layers, self.aux_hidden = layers, None
+
+    def _key(self, *parts) -> tuple:
+        """A graph's key: ``parts``, plus the captured layers while :meth:`capture_aux` is on."""
+        return parts + (self.aux_layers,) if self.aux_layers else parts
 
     # ---- HF attention switch -------------------------------------------------------------------------------
     def _attention_configs(self) -> list:
@@ -193,14 +220,14 @@ class ModelRunner:
             return 0
         top = self.graph_bucket(max_batch) or self.config.graph_batch_sizes[-1]
         for bucket in self.config.graph_batch_sizes:
-            if bucket <= top and ("step", bucket, 1) not in self._graphs:
+            if bucket <= top and self._key("step", bucket, 1) not in self._graphs:
                 self._capture_uniform(bucket, 1)
-        return sum(key[0] == "step" and key[2] == 1 for key in self._graphs)
+        return sum(key == self._key("step", key[1], 1) for key in self._graphs if key[0] == "step")
 
     def _replay_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                         logits_indices: torch.Tensor, chunk: int) -> torch.Tensor:
         tokens = input_ids.shape[0]
-        graph, buf = self._graphs.get(("prefill", chunk)) or self._capture_prefill(chunk)
+        graph, buf = self._graphs.get(self._key("prefill", chunk)) or self._capture_prefill(chunk)
         buf["input_ids"][:tokens].copy_(input_ids)
         torch.add(buf["offsets"], positions[:1], out=buf["positions"])
         buf["slot_mapping"][:tokens].copy_(meta.slot_mapping)
@@ -209,18 +236,22 @@ class ModelRunner:
         buf["context_lens"].copy_(meta.context_lens)
         buf["logits_indices"].copy_(logits_indices)
         graph.replay()
+        if self.aux_layers:
+            self.aux_hidden = buf["aux"][:tokens]
         return buf["logits"]
 
     def _replay_uniform(self, ctx: StepContext, bucket: int) -> torch.Tensor:
         """``ctx``'s rows in the graph of (``bucket`` rows, its query length) -> logits of its ``B * Q`` token rows."""
         q, rows = ctx.query_len, ctx.num_rows
-        graph, buf = self._graphs.get(("step", bucket, q)) or self._capture_uniform(bucket, q)
+        graph, buf = self._graphs.get(self._key("step", bucket, q)) or self._capture_uniform(bucket, q)
         buf["input_ids"][:rows * q].copy_(ctx.input_ids)
         buf["positions"][:rows].copy_(ctx.positions)
         buf["block_tables"][:rows, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
         if rows < bucket:
             buf["positions"][rows:].fill_(-1)
         graph.replay()
+        if self.aux_layers:
+            self.aux_hidden = buf["aux"][:rows * q]
         return buf["logits"][:rows * q]
 
     @torch.inference_mode()
@@ -236,7 +267,8 @@ class ModelRunner:
         bucket = self.graph_bucket(batch)
         if bucket is None:
             return None
-        return self._graphs.get(("greedy", bucket)) or self._capture_token_loop(("greedy", bucket), bucket, None)
+        key = self._key("greedy", bucket)
+        return self._graphs.get(key) or self._capture_token_loop(key, bucket, None)
 
     @torch.inference_mode()
     def sample_graph(self, batch: int, processors, key) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]] | None:
@@ -250,7 +282,7 @@ class ModelRunner:
         """
         if self.graph_bucket(batch) is None:
             return None
-        full = ("sample", batch, key)
+        full = self._key("sample", batch, key)
         if full in self._graphs:
             self._graphs[full] = self._graphs.pop(full)  # most recently used last
             return self._graphs[full]
@@ -297,7 +329,7 @@ class ModelRunner:
 
     def _capture_uniform(self, bucket: int, query_len: int):
         buf = self._buffers(bucket, bucket * query_len)
-        return self._capture(("step", bucket, query_len), buf, lambda: self._uniform_forward(buf, query_len))
+        return self._capture(self._key("step", bucket, query_len), buf, lambda: self._uniform_forward(buf, query_len))
 
     def _uniform_forward(self, buf: dict[str, torch.Tensor], query_len: int = 1) -> torch.Tensor:
         """One uniform step on a graph's buffers (``input_ids``, ``positions``, ``block_tables``) -> every row's
@@ -319,11 +351,12 @@ class ModelRunner:
         meta = AttentionMetadata(query_len=0, slot_mapping=buf["slot_mapping"], block_tables=buf["block_tables"],
                                  cu_seqlens_q=buf["cu_seqlens_q"], context_lens=buf["context_lens"],
                                  max_seqlen_q=tokens)
-        return self._capture(("prefill", tokens), buf,
+        return self._capture(self._key("prefill", tokens), buf,
                              lambda: self._forward(buf["input_ids"], buf["positions"], meta, buf["logits_indices"]))
 
     def _capture(self, key, buf: dict[str, torch.Tensor], step):
-        """Warm ``step`` up on a side stream, capture it into a graph sharing one memory pool, keep its output."""
+        """Warm ``step`` up on a side stream, capture it into a graph sharing one memory pool, keep its outputs (the
+        logits, and the captured layer inputs while :meth:`capture_aux` is on)."""
         self.ensure_cache()
         dev = self.device
         stream = torch.cuda.Stream(dev)
@@ -335,6 +368,8 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool()):
             buf["logits"] = step()
+        if self.aux_layers:
+            buf["aux"] = self.aux_hidden
         self._graphs[key] = (graph, buf)
         return graph, buf
 

@@ -20,7 +20,8 @@ class SequenceBatch:
 
     Generated tokens stay on the device (HF's ``input_ids``); a row's ``tokens`` hold its prompt, ``num_computed``
     counts every token with KV. Prompt blocks already in the prefix cache are reused (``prefix_cache``) and full
-    prompt blocks are cached for later calls and Engine requests.
+    prompt blocks are cached for later calls and Engine requests. While the runner captures layer inputs
+    (:meth:`ModelRunner.capture_aux`), prefill keeps them: :meth:`prefill_aux`.
 
     Args:
         runner: the model's runner (owns the KV pool).
@@ -52,6 +53,7 @@ class SequenceBatch:
                              "pass optimize(model, max_model_len=...) or shorten max_length/max_new_tokens")
         self.prefix_cache = prefix_cache
         self.seqs = [Request(f"row{i}", p, _ROW_PARAMS).seqs[0] for i, p in enumerate(prompts)]
+        self._aux: list[list[torch.Tensor]] = [[] for _ in prompts]  # prefill's captured layer inputs, per row
         width = -(-longest // self.block_size)
         self.block_table = torch.zeros(len(prompts), width, dtype=torch.int32)
         if prefix_cache:
@@ -134,7 +136,15 @@ class SequenceBatch:
         out = self.runner.step(ctx)
         for seq, n in zip(seqs, takes):
             seq.num_computed += n
+        if self.runner.aux_hidden is not None:
+            for r, aux in zip(rows, self.runner.aux_hidden.clone().split(takes)):
+                self._aux[r].append(aux)
         return list(out.split(takes)) if every_token else list(out)
+
+    def prefill_aux(self) -> list[torch.Tensor]:
+        """Per row ``(n, A)``: the layer inputs :meth:`ModelRunner.capture_aux` captured at the prompt positions
+        prefill computed (every position without ``prefix_cache``)."""
+        return [torch.cat(a) for a in self._aux]
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (``tokens: (B,)`` on the device) -> logits ``(B, V)``. No host sync.

@@ -219,8 +219,11 @@ class FusedDecoder:
 
     def __call__(self, runner, input_ids: torch.Tensor, positions: torch.Tensor,
                  logits_indices: torch.Tensor | None) -> torch.Tensor:
-        """``input_ids, positions: (T,)`` -> logits ``(B, V)`` for rows ``logits_indices`` (all rows if None)."""
+        """``input_ids, positions: (T,)`` -> logits ``(B, V)`` for rows ``logits_indices`` (all rows if None). With
+        :meth:`~llmplug.engine.runner.ModelRunner.capture_aux` on, the inputs of those layers (each layer's residual
+        stream after its first add) go to ``runner.aux_hidden``."""
         spec, cache, meta = self.spec, runner.cache, runner.meta
+        aux_layers, aux = runner.aux_layers, {}
         hidden = self.base.embed_tokens(input_ids)
         rope = self._rotary(hidden, positions, runner)
         t, d = input_ids.shape[0], self.head_dim
@@ -231,6 +234,8 @@ class FusedDecoder:
                 residual, qkv = hidden, lay.qkv.matmul(self._norm(hidden, layer.input_layernorm))
             else:
                 qkv, residual = self._add_norm_matmul(lay.qkv, producer, x, residual, layer.input_layernorm)
+            if i in aux_layers:
+                aux[i] = residual
             q = qkv[:, :lay.q_size].view(t, -1, d)
             k = qkv[:, lay.q_size:lay.q_size + lay.kv_size].view(t, -1, d)
             v = qkv[:, lay.q_size + lay.kv_size:].view(t, -1, d)
@@ -249,6 +254,8 @@ class FusedDecoder:
                 gated, residual = self._add_norm_matmul(lay.gate_up, lay.o, o.view(t, -1), residual,
                                                         layer.post_attention_layernorm, self.activation)
                 producer, x = lay.down, gated
+        if aux_layers:
+            runner.aux_hidden = torch.cat([aux[i] for i in aux_layers], dim=-1)
         hidden = x if producer is None else producer.matmul(x)
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]

@@ -29,7 +29,10 @@ def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[i
         seqs: the call's :class:`~llmplug.engine.sequences.SequenceBatch`, every row's KV computed up to (not
             including) its last emitted token, pages sized for ``steps + policy.k_max`` more positions.
         proposer: :class:`~llmplug.spec.proposers.NgramProposer`, :class:`~llmplug.spec.proposers.DraftModelProposer`
-            or anything with their ``propose``.
+            or anything with their ``propose``. One with ``aux_layers`` and ``observe(rows, aux)`` (an EAGLE-3 head,
+            :class:`~llmplug.spec.eagle3.Eagle3Proposer`) gets after each step the target's inputs of those layers at
+            every position the step verified (``aux[i] (n_i, A)`` for row ``rows[i]``; the runner captures them,
+            :meth:`~llmplug.engine.runner.ModelRunner.capture_aux`); its plain steps then run one at a time.
         policy: chooses each step's draft count.
         histories: per row its prompt and emitted tokens (host ints; extended in place).
         stops: HF's bookkeeping from the row state after the last emitted token.
@@ -42,7 +45,8 @@ def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[i
     Returns:
         The call's :class:`SpecStats`; the kept tokens are in ``stops``.
     """
-    rows = _Rows(seqs, histories, steps, eos, stops.has_eos)
+    observe = proposer.observe if getattr(proposer, "aux_layers", None) else None
+    rows = _Rows(seqs, histories, steps, eos, stops.has_eos, observe)
     while not stops.done:
         active = rows.active(stops)
         if active:
@@ -58,10 +62,13 @@ def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[i
 
 class _Rows:
     """The rows of one speculative call: their histories, the tokens not yet fed to HF's stop bookkeeping, how many
-    each produced, which ended on an eos; and the steps that advance them."""
+    each produced, which ended on an eos; and the steps that advance them (telling ``observe``, when given, the
+    target's captured states of the positions each step verified)."""
 
-    def __init__(self, seqs, histories: list[list[int]], steps: int, eos: set[int], has_eos: bool) -> None:
+    def __init__(self, seqs, histories: list[list[int]], steps: int, eos: set[int], has_eos: bool,
+                 observe=None) -> None:
         self.seqs, self.histories, self.steps, self.eos, self.has_eos = seqs, histories, steps, eos, has_eos
+        self.observe = observe
         count = len(seqs)
         self.pending: list[list[int]] = [[] for _ in range(count)]  # emitted, not yet fed to the stops
         self.produced = [0] * count
@@ -102,9 +109,12 @@ class _Rows:
 
     def plain(self, active: list[int], n: int, sample) -> None:
         """Up to ``n`` decode steps of ``active`` without drafts: greedy on CUDA one replay of the greedy graph each,
-        read once (:meth:`SequenceBatch.ring`), otherwise one step at a time."""
+        read once (:meth:`SequenceBatch.ring`), otherwise (or while ``observe`` wants every step's states) one step at
+        a time."""
         n = min(n, GREEDY_RING, min(self.steps - self.produced[r] for r in active))  # no row past its limit
-        ring = self.seqs.ring(active, [self.histories[r][-1] for r in active], n) if sample is None else None
+        ring = None
+        if sample is None and self.observe is None:
+            ring = self.seqs.ring(active, [self.histories[r][-1] for r in active], n)
         if ring is None:
             for _ in range(n):
                 self.verify(active, [[] for _ in active], None, sample)
@@ -125,7 +135,9 @@ class _Rows:
         device = self.seqs.device
         ctx = build_step(sub, [q] * len(sub), self.seqs.block_size, device, input_ids=ids.reshape(-1),
                          block_tables=self.seqs.tables(active), all_logits=True)
-        logits = self.seqs.runner.step(ctx).view(len(active), q, -1)
+        runner = self.seqs.runner
+        logits = runner.step(ctx).view(len(active), q, -1)
+        aux = runner.aux_hidden
         counts = torch.tensor([len(d) for d in drafts], device=device)
         drafted = ctx.input_ids.view(len(active), q)[:, 1:]
         if sample is None:
@@ -142,3 +154,6 @@ class _Rows:
             seq.num_computed += n  # the last token and the accepted drafts; the rest's KV slots are free again
             self.stats.accepted += n - 1
             self._emit(r, row[:n], len(d), 1)
+        if self.observe is not None:
+            aux = aux.view(len(active), q, -1)
+            self.observe(active, [aux[i, :row[-1]] for i, row in enumerate(both)])

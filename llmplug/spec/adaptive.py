@@ -1,13 +1,16 @@
 """How many draft tokens a step should verify: the expected tokens a step against what the longer step costs.
 
 With per-draft acceptance ``a``, a step verifying ``k`` drafts emits ``(1 - a^(k+1)) / (1 - a)`` tokens on average
-(Leviathan et al.). Its cost grows with the tokens it computes only once the step stops being bound by the weight
-read: ``max(1, T / ridge)`` for ``T`` tokens, where ``ridge`` is the token count at which the matmuls' work catches up
-with the weight read (the GPU's FLOP rate over its bandwidth, ~300 tokens on an H100 in bf16; a CPU is compute-bound
-almost at once). A fixed ``overhead`` stands for what a verify step costs beyond that (attention over ``1 + k``
-queries, the host's acceptance check). ``k = 0`` turns speculation off for a block of ``probe_every`` plain decode
-steps (on CUDA one replay of the greedy graph each, read once), then one verify step at ``k_max`` probes acceptance
-again, so a turn for the better is noticed.
+(Leviathan et al.). What a step of ``q = 1 + k`` tokens a row costs is measured as the call goes (wall time, the
+proposals and the host's bookkeeping included; the first step of each shape is left out, as it may capture a graph). A
+shape not measured yet is estimated from the measured ones: piecewise linearly in ``q`` through the plain step and the
+measured verify steps, or, before any verify step was timed, from a weight-bound model: ``max(1, T / ridge)`` for
+``T`` tokens, where ``ridge`` is the token count at which the matmuls' work catches up with the weight read (~300 on
+an H100 in bf16; a CPU is compute-bound almost at once), plus a fixed ``overhead``. ``k = 0`` turns speculation off
+for blocks of ``probe_every`` plain decode steps (on CUDA one replay of the greedy graph each, read once), then one
+verify step at ``k_max`` probes acceptance again; each probe that finds speculation still not paying doubles the
+number of blocks before the next one (up to ``max_backoff``), so a turn for the better is noticed and a hopeless call
+pays little for looking.
 """
 
 from __future__ import annotations
@@ -19,26 +22,32 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class AdaptiveK:
-    """Chooses each step's draft count from the acceptance measured so far in this call.
+    """Chooses each step's draft count from the acceptance and step costs measured so far in this call.
 
     Args:
         k_max: the most drafts a step verifies (the user's ``k``).
-        ridge: tokens a step computes before it becomes compute-bound.
-        overhead: relative extra cost of any verify step over a plain decode step.
+        ridge: tokens a step computes before it becomes compute-bound (the estimate before anything is timed).
+        overhead: relative extra cost of any verify step over a plain decode step (same).
         prior: acceptance assumed before anything is measured.
-        probe_every: tokens of the block of plain decode steps between two probes at ``k_max`` while speculation is
-            off.
+        probe_every: tokens of a block of plain decode steps while speculation is off.
+        max_backoff: most blocks of plain steps between two probes.
     """
 
     def __init__(self, k_max: int, ridge: float, overhead: float = 0.08, prior: float = 0.6,
-                 probe_every: int = 16) -> None:
+                 probe_every: int = 16, max_backoff: int = 8) -> None:
         if k_max < 1:
             raise ValueError(f"k={k_max} draft tokens: must be >= 1")
         self.k_max, self.ridge, self.overhead, self.probe_every = k_max, ridge, overhead, probe_every
+        self.max_backoff = max_backoff
         self.drafted = 0.0
         self.accepted = 0.0
         self.prior = prior
-        self._probe_next = False
+        self.costs: dict[tuple[int, int], float] = {}  # (rows, q) -> seconds a step (EMA)
+        self._seen: set[tuple[int, int]] = set()
+        self._blocks_left = 0  # plain blocks still to run before the next probe
+        self._backoff = 1  # plain blocks between probes now
+        self._probing = False  # the last choice was a probe
+        self._on = True  # speculating (the last choice had drafts, or nothing was chosen yet)
 
     @property
     def alpha(self) -> float:
@@ -51,16 +60,49 @@ class AdaptiveK:
             self.drafted = 0.875 * self.drafted + drafted
             self.accepted = 0.875 * self.accepted + accepted
 
-    def choose(self, rows: int) -> int:
-        """Drafts for the next step of ``rows`` sequences (0: a plain decode step)."""
+    def record_cost(self, rows: int, q: int, seconds: float) -> None:
+        """The wall time of one step of ``rows`` sequences, ``q`` tokens each (a plain step: ``q = 1``)."""
+        key = (rows, q)
+        if key not in self._seen:  # the first may have captured a graph or compiled a kernel
+            self._seen.add(key)
+            return
+        old = self.costs.get(key)
+        self.costs[key] = seconds if old is None else 0.75 * old + 0.25 * seconds
+
+    def cost(self, rows: int, q: int) -> float:
+        """A step of ``q`` tokens a row relative to a plain step (measured, else estimated)."""
+        plain = self.costs.get((rows, 1))
+        if plain is not None:
+            points = sorted((m, c / plain) for (r, m), c in self.costs.items() if r == rows)  # (1, 1.0) first
+            if len(points) > 1:
+                below = max(p for p in points if p[0] <= q)
+                above = min((p for p in points if p[0] >= q), default=None)
+                if above is None:  # past the longest measured step: on the line from the plain step through it
+                    below, above = points[0], points[-1]
+                if above[0] == below[0]:
+                    return below[1]
+                return below[1] + (above[1] - below[1]) * (q - below[0]) / (above[0] - below[0])
         base = max(1.0, rows / self.ridge)
+        return max(1.0, rows * q / self.ridge) / base * (1.0 + self.overhead)
+
+    def choose(self, rows: int) -> int:
+        """Drafts for the next step of ``rows`` sequences (0: a block of plain decode steps)."""
         best_k, best = 0, 1.0
         for k in range(1, self.k_max + 1):
-            cost = max(1.0, rows * (1 + k) / self.ridge) / base * (1.0 + self.overhead)
-            value = expected_tokens(self.alpha, k) / cost
+            value = expected_tokens(self.alpha, k) / self.cost(rows, 1 + k)
             if value > best:
                 best_k, best = k, value
-        if best_k == 0:  # off: a block of plain steps (``probe_every`` tokens), then one probe at k_max
-            self._probe_next = not self._probe_next
-            return self.k_max if not self._probe_next else 0
-        return best_k
+        if best_k:
+            self._on, self._backoff, self._probing = True, 1, False
+            return best_k
+        if self._on:  # just turned off: one block, then a probe
+            self._on, self._blocks_left = False, self._backoff
+        elif self._probing:  # the probe found speculation still not paying: wait longer before the next
+            self._backoff = min(2 * self._backoff, self.max_backoff)
+            self._blocks_left = self._backoff
+        self._probing = False
+        if self._blocks_left > 0:
+            self._blocks_left -= 1
+            return 0
+        self._probing = True
+        return self.k_max

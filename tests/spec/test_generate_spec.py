@@ -146,12 +146,37 @@ def test_adaptive_k():
     for _ in range(40):
         policy.record(drafted=4, accepted=0)
     assert policy.alpha < 0.01 and policy.choose(1) == 0  # nothing accepted: off (a block of plain steps) ...
-    assert [policy.choose(1) for _ in range(6)] == [4, 0, 4, 0, 4, 0]  # ... then a probe, and so on
+    # ... then a probe; each probe that fails doubles the blocks before the next, up to max_backoff (8)
+    assert [policy.choose(1) for _ in range(32)] == ([4] + [0] * 2 + [4] + [0] * 4 + [4] + [0] * 8 + [4] + [0] * 8
+                                                     + [4] + [0] * 5)
+    policy.record(drafted=4, accepted=4)
+    for _ in range(4):
+        policy.record(drafted=4, accepted=4)
+    assert policy.choose(1) == 4 and policy.choose(1) == 4  # acceptance came back: speculating again ...
+    for _ in range(40):
+        policy.record(drafted=4, accepted=0)
+    assert [policy.choose(1) for _ in range(3)] == [0, 4, 0]  # ... and when it goes, one block before the next probe
     policy = AdaptiveK(4, ridge=256.0)
     for _ in range(40):
         policy.record(drafted=4, accepted=3)
     assert policy.choose(1) == 4 and 0 < policy.choose(128) < 4  # nearly compute-bound: fewer drafts pay
     assert policy.choose(512) == 0  # compute-bound already: every draft costs its full share
+
+
+def test_adaptive_k_uses_measured_step_costs():
+    """Measured costs replace the weight-bound estimate: a batch-64 step of 1 + 4 tokens measured at 2.1x a plain
+    step (the first sample of each shape is ignored: it may have captured a graph); shorter steps are interpolated."""
+    policy = AdaptiveK(4, ridge=256.0)
+    for _ in range(40):
+        policy.record(drafted=4, accepted=2)  # alpha 0.5
+    assert policy.choose(64) == 3  # the estimate: 256 tokens are still weight-bound
+    for rows, q, seconds in [(64, 1, 9.0), (64, 1, 1.0), (64, 5, 9.0), (64, 5, 2.1)]:
+        policy.record_cost(rows, q, seconds)
+    assert policy.cost(64, 5) == pytest.approx(2.1) and policy.cost(64, 2) == pytest.approx(1.275)
+    assert policy.choose(64) == 1  # 1.5 tokens for 1.275x beats 1.94 for 2.1x
+    policy.record_cost(64, 2, 1.0)  # (the first sample of q = 2)
+    policy.record_cost(64, 2, 1.6)
+    assert policy.cost(64, 2) == pytest.approx(1.6) and policy.choose(64) == 0  # 1.5 tokens for 1.6x: off
 
 
 @pytest.mark.gpu

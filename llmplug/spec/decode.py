@@ -1,7 +1,8 @@
 """Speculative decoding of ``generate``'s rows: propose, verify ``1 + k`` tokens a row in one step, accept.
 
 Each step takes every row that still needs tokens, asks the proposer for drafts, and verifies them in one uniform
-step (:func:`~llmplug.engine.step.build_step`, a CUDA graph per (rows bucket, ``1 + k``)). Greedy: a row keeps its
+step (:func:`~llmplug.engine.step.build_step`, a CUDA graph per (rows bucket, ``1 + k``); greedy on CUDA, the graph
+also accepts, :mod:`~llmplug.spec.verify_graph`). Greedy: a row keeps its
 drafts while they equal the target's argmax, then the target's own token, so the tokens are exactly greedy
 decoding's. Sampling: exact rejection sampling against the target's distribution after every sampling option. A
 row's rejected drafts are never counted as computed, so the next step overwrites their KV slots. Rows advance by
@@ -11,6 +12,8 @@ row has reached.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..engine.late_stops import LateStops
@@ -19,6 +22,7 @@ from ..engine.step import build_step
 from .adaptive import AdaptiveK
 from .rejection import greedy_accept, rejection_sample
 from .stats import SpecStats
+from .verify_graph import greedy_verify
 
 
 def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[int]], stops: LateStops,
@@ -48,14 +52,20 @@ def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[i
     observe = proposer.observe if getattr(proposer, "aux_layers", None) else None
     rows = _Rows(seqs, histories, steps, eos, stops.has_eos, observe)
     while not stops.done:
-        active = rows.active(stops)
+        active = rows.active(stops)  # HF's criteria have seen every step but the last one here
+        collect = None
         if active:
             k = min(policy.choose(len(active)), max(steps - rows.produced[r] - 1 for r in active))
+            start = time.perf_counter()  # both paths end on a read of the device: wall time is the step's cost
             if k > 0:
-                rows.verify(active, proposer.propose(active, histories, k), policy, sample)
+                collect = rows.verify(active, proposer.propose(active, histories, k), policy, sample)
             else:
-                rows.plain(active, policy.probe_every, sample)
-        if not rows.feed(active, stops) and not active:
+                n = rows.plain(active, policy.probe_every, sample)
+                policy.record_cost(len(active), 1, (time.perf_counter() - start) / n)
+        fed = rows.feed(active, stops)  # the earlier steps' tokens, while the device runs the verify step
+        if collect is not None:
+            policy.record_cost(len(active), collect(), time.perf_counter() - start)
+        if not fed and not active:
             raise RuntimeError("speculative decoding stalled: no row needs tokens but generation has not ended")
     return rows.stats
 
@@ -107,37 +117,67 @@ class _Rows:
         self.stats.per_row_steps[r] += steps_taken
         self.stats.per_row_emitted[r] += len(new)
 
-    def plain(self, active: list[int], n: int, sample) -> None:
+    def plain(self, active: list[int], n: int, sample) -> int:
         """Up to ``n`` decode steps of ``active`` without drafts: greedy on CUDA one replay of the greedy graph each,
         read once (:meth:`SequenceBatch.ring`), otherwise (or while ``observe`` wants every step's states) one step at
-        a time."""
+        a time. Returns how many steps ran."""
         n = min(n, GREEDY_RING, min(self.steps - self.produced[r] for r in active))  # no row past its limit
         ring = None
         if sample is None and self.observe is None:
             ring = self.seqs.ring(active, [self.histories[r][-1] for r in active], n)
         if ring is None:
             for _ in range(n):
-                self.verify(active, [[] for _ in active], None, sample)
-            return
+                self.verify(active, [[] for _ in active], None, sample)()
+            return n
         self.stats.steps += n
         for r, tokens in zip(active, ring):
             self._emit(r, tokens, 0, n)
+        return n
 
-    def verify(self, active: list[int], drafts: list[list[int]], policy: AdaptiveK | None, sample) -> None:
-        """One step over each active row's last token and its drafts (rows with fewer drafts are padded with filler
-        tokens, verified like drafts but never accepted); keep what the target agrees with."""
+    def verify(self, active: list[int], drafts: list[list[int]], policy: AdaptiveK | None, sample):
+        """Launch one step over each active row's last token and its drafts (rows with fewer drafts are padded with
+        filler tokens, verified like drafts but never accepted) -> ``collect()``, which reads the result (one read of
+        the device), keeps what the target agrees with and returns the step's tokens a row. Greedy on CUDA: one
+        replay of the verify graph (:func:`~llmplug.spec.verify_graph.greedy_verify`)."""
         drafts = [d[:max(0, self.steps - self.produced[r] - 1)] for r, d in zip(active, drafts)]
         q = 1 + max(map(len, drafts))
-        last = [self.histories[r][-1] for r in active]
-        ids = torch.tensor([[t] + d + [t] * (q - 1 - len(d)) for t, d in zip(last, drafts)], dtype=torch.long)
+        ids = [[t] + d + [t] * (q - 1 - len(d)) for t, d in zip((self.histories[r][-1] for r in active), drafts)]
         sub = [self.seqs.seqs[r] for r in active]
         self.seqs._grow(active, [s.num_computed + q for s in sub])
-        device = self.seqs.device
-        ctx = build_step(sub, [q] * len(sub), self.seqs.block_size, device, input_ids=ids.reshape(-1),
-                         block_tables=self.seqs.tables(active), all_logits=True)
         runner = self.seqs.runner
-        logits = runner.step(ctx).view(len(active), q, -1)
-        aux = runner.aux_hidden
+        result = None
+        if sample is None:
+            result = greedy_verify(runner, ids, [s.num_computed for s in sub], [len(d) for d in drafts],
+                                   self.seqs.tables(active))
+        if result is None:
+            result = self._verify_eager(sub, active, ids, drafts, sample)
+
+        def collect() -> int:
+            both = result.tolist()
+            if policy is not None:
+                policy.record(sum(map(len, drafts)), sum(row[-1] - 1 for row in both))
+            self.stats.steps += 1
+            for r, seq, row, d in zip(active, sub, both, drafts):
+                n = row[-1]
+                seq.num_computed += n  # the last token and the accepted drafts; the rest's KV slots are free again
+                self.stats.accepted += n - 1
+                self._emit(r, row[:n], len(d), 1)
+            if self.observe is not None:
+                aux = runner.aux_hidden.view(len(active), q, -1)
+                self.observe(active, [aux[i, :row[-1]] for i, row in enumerate(both)])
+            return q
+
+        return collect
+
+    def _verify_eager(self, sub, active: list[int], ids: list[list[int]], drafts: list[list[int]],
+                      sample) -> torch.Tensor:
+        """The verify step through ``runner.step`` and the acceptance as separate launches -> ``(rows, q + 1)`` on the
+        device: per row its emitted tokens padded with -1, then how many."""
+        q, device = len(ids[0]), self.seqs.device
+        ctx = build_step(sub, [q] * len(sub), self.seqs.block_size, device,
+                         input_ids=torch.tensor(ids, dtype=torch.long).reshape(-1),
+                         block_tables=self.seqs.tables(active), all_logits=True)
+        logits = self.seqs.runner.step(ctx).view(len(active), q, -1)
         counts = torch.tensor([len(d) for d in drafts], device=device)
         drafted = ctx.input_ids.view(len(active), q)[:, 1:]
         if sample is None:
@@ -145,15 +185,4 @@ class _Rows:
         else:
             probs = sample(logits.reshape(len(active) * q, -1)).view(len(active), q, -1)
             tokens, emitted = rejection_sample(probs, drafted, counts)
-        both = torch.cat([tokens, emitted[:, None]], dim=1).tolist()  # one read of the device
-        if policy is not None:
-            policy.record(sum(map(len, drafts)), sum(row[-1] - 1 for row in both))
-        self.stats.steps += 1
-        for r, seq, row, d in zip(active, sub, both, drafts):
-            n = row[-1]
-            seq.num_computed += n  # the last token and the accepted drafts; the rest's KV slots are free again
-            self.stats.accepted += n - 1
-            self._emit(r, row[:n], len(d), 1)
-        if self.observe is not None:
-            aux = aux.view(len(active), q, -1)
-            self.observe(active, [aux[i, :row[-1]] for i, row in enumerate(both)])
+        return torch.cat([tokens, emitted[:, None]], dim=1)

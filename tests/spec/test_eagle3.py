@@ -257,7 +257,7 @@ def test_generate_with_head_on_cuda_graphs(tmp_path, batch):
     _check_generate(stock, fast, _save(tmp_path / "head", config, _head_tensors(config)), ids.cuda(), mask.cuda(),
                     4)
     keys, aux, bucket = set(state_of(fast).runner._graphs), (2, 4, 5), 1 if batch == 1 else 4
-    assert any(key[:2] == ("step", bucket) and key[-1] == aux for key in keys)  # the verify steps
+    assert any(key[:2] == ("verify", bucket) and key[-1] == aux for key in keys)  # the verify steps
     assert ("greedy", bucket) in keys  # the plain call's
     if batch == 1:  # one prompt: a prefill graph with the capture and one without
         assert {("prefill", 64), ("prefill", 64, aux)} <= keys

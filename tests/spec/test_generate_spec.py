@@ -194,7 +194,7 @@ def test_speculation_on_cuda_graphs(family, monkeypatch):
     expected = stock.generate(**kw)
     assert torch.equal(fast.generate(**kw, prompt_lookup_num_tokens=4), expected)
     graphs = state_of(fast).runner._graphs
-    assert any(key[0] == "step" and key[2] > 1 for key in graphs)  # verify steps
+    assert any(key[0] == "verify" and key[2] > 1 for key in graphs)  # verify steps (greedy: the verify graph)
     assert any(key[0] == "greedy" for key in graphs)  # a random tiny model's acceptance turns speculation off
     draft = copy.deepcopy(stock)
     assert torch.equal(fast.generate(**kw, assistant_model=draft, num_assistant_tokens=3), expected)

@@ -2,8 +2,9 @@
 
 Requests are added at any time (from any thread); each :meth:`Engine.step` asks the scheduler for the next batch,
 runs it through the model runner (decode-only steps replay CUDA graphs), samples every finished row with its own
-parameters and hands back what finished. :meth:`Engine.start` runs steps on a background thread instead, for
-streaming, asyncio and concurrent submission.
+parameters and hands back what finished. While the whole running batch decodes greedily, one step runs a block of up
+to ``EngineConfig.greedy_ring`` decode steps whose tokens the host reads once (:mod:`.engine_ring`).
+:meth:`Engine.start` runs steps on a background thread instead, for streaming, asyncio and concurrent submission.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from ..kv.swap import SwapSpace
 from ..state import ensure_state
+from .engine_ring import EngineRing
 from .engine_spec import EngineSpeculation
 from .metrics import EngineMetrics
 from .params import EngineConfig, SamplingParams
@@ -109,6 +111,7 @@ class Engine(ServingMixin):
         self._warmed = False
         self._pending: _Pending | None = None  # the last launched step, whose tokens the host has not seen yet
         self.speculation = EngineSpeculation(self)
+        self.ring = EngineRing(self)
 
     # ---- submission --------------------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -197,6 +200,11 @@ class Engine(ServingMixin):
         step ``n``'s tokens on the device) before the host waits for step ``n``, so the GPU does not idle on the host's
         bookkeeping (except while a penalised request runs: penalties need every earlier token on the host). A
         sequence that stops at step ``n`` has one extra token computed in step ``n + 1``, then dropped.
+
+        While every running request decodes greedily and nothing waits (:mod:`.engine_ring`), one call instead
+        resolves the step in flight and runs a block of up to ``EngineConfig.greedy_ring`` decode steps, so it may
+        advance each sequence by several tokens (a row that stops mid-block keeps its tokens up to the stop); a request
+        added or aborted meanwhile is seen by the next call.
         """
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise RuntimeError("the engine's background loop is running: submit requests instead of calling step()")
@@ -206,6 +214,11 @@ class Engine(ServingMixin):
     def _step(self) -> list[RequestOutput]:
         finished: list[RequestOutput] = []
         self._take_inbox(finished)
+        if self.ring.size():  # the running batch decodes greedily: a block of steps, its tokens read at the end
+            if self._pending is not None:
+                self._resolve(finished)
+            if self.ring.run(finished):
+                return finished
         speculating = self.speculation.active()
         if self._pending is not None and (speculating or any(_needs_history(s) for s in self._pending.seqs)):
             self._resolve(finished)  # drafts and penalties read every earlier token on the host: no step ahead then
@@ -421,14 +434,20 @@ class Engine(ServingMixin):
     def warmup(self) -> None:
         """Pay one-time costs now, not mid-serving (CUDA only; once per engine).
 
-        Captures the decode graph of every batch size up to ``max_num_seqs``, then serves a throwaway set of
-        random prompts (lengths from 1 to ``max_num_batched_tokens``, a few tokens each), so the kernels' variants of
-        mixed steps are compiled and single-sequence prefill graphs captured. Counters and prefix cache are reset.
+        Captures the decode graph and the greedy ring's of every batch size up to ``max_num_seqs``, then serves a
+        throwaway set of random prompts (lengths from 1 to ``max_num_batched_tokens``, a few tokens each), so the
+        kernels' variants of mixed steps are compiled and single-sequence prefill graphs captured. Counters and prefix
+        cache are reset.
         """
         if self._warmed or self.runner.device.type != "cuda":
             return
         self._warmed = True
         self.runner.capture_decode_graphs(self.config.max_num_seqs)
+        if self.config.greedy_ring >= 2:  # the greedy ring's graphs, one per rows bucket
+            top = self.runner.graph_bucket(self.config.max_num_seqs) or self.runner.config.graph_batch_sizes[-1]
+            for bucket in self.runner.config.graph_batch_sizes:
+                if bucket <= top:
+                    self.runner.greedy_graph(bucket)
         g = torch.Generator().manual_seed(0)
         longest = min(self.config.max_num_batched_tokens, self.runner.max_model_len - 4,
                       self.blocks.num_total * self.block_size // 8)
@@ -447,8 +466,9 @@ class Engine(ServingMixin):
         self.speculation.drafted = self.speculation.accepted = self.speculation.steps = 0
 
     def stats(self) -> dict:
-        """Latency percentiles, throughput, goodput, KV use, prefix hits and preemptions so far; with speculation its
-        drafts, acceptance rate and tokens a verified row gained a step."""
+        """Latency percentiles, throughput, goodput, KV use, prefix hits, preemptions and greedy ring blocks (and the
+        decode steps in them) so far; with speculation its drafts, acceptance rate and tokens a verified row gained a
+        step."""
         out = self.metrics.summary(self.blocks, self.scheduler.num_preemptions)
         if self.config.speculative is not None or self.speculation.drafted:
             out["speculation"] = self.speculation.summary()

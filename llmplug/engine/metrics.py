@@ -41,6 +41,8 @@ class EngineMetrics:
         self.output_tokens = 0
         self.prompt_tokens = 0
         self.steps = 0
+        self.ring_blocks = 0
+        self.ring_steps = 0
         self.kv_use: list[float] = []
         self.kv_waste_max = 0.0
         self.first_arrival: float | None = None
@@ -55,6 +57,13 @@ class EngineMetrics:
         self.kv_use.append(blocks.num_used / blocks.num_total)
         if held:
             self.kv_waste_max = max(self.kv_waste_max, empty / held)
+
+    def on_ring(self, n: int, blocks: BlockManager) -> None:
+        """A block of ``n`` greedy decode steps was launched, its pages reserved."""
+        self.kv_use.append(blocks.num_used / blocks.num_total)
+        self.steps += n
+        self.ring_blocks += 1
+        self.ring_steps += n
 
     def on_step(self, plan) -> None:
         """A step was launched (output tokens are counted by the engine as the host receives them)."""
@@ -88,6 +97,8 @@ class EngineMetrics:
         return {
             "finished_requests": self.finished,
             "steps": self.steps,
+            "ring_blocks": self.ring_blocks,
+            "ring_steps": self.ring_steps,
             "ttft_s": percentiles(self.ttft),
             "tpot_s": percentiles(self.tpot),
             "itl_s": percentiles(self.itl),

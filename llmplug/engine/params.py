@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .runner import GREEDY_RING
+
 __all__ = ["EngineConfig", "SamplingParams", "SpeculativeConfig"]
 
 _POLICIES = ("fcfs", "priority")
@@ -146,6 +148,10 @@ class EngineConfig:
         speculative: a :class:`SpeculativeConfig` for every request that sets none of its own (None: only requests
             with ``SamplingParams.speculative`` speculate). While a request speculates, steps wait for the previous
             step's tokens (drafts are proposed from them) instead of running one step ahead.
+        greedy_ring: while every running request decodes greedily (no penalties, stop strings or speculation) and
+            nothing else waits, one step runs a block of up to this many decode steps and the host reads their tokens
+            once (CUDA graph replays with the token chosen on the device); 0 or 1: one decode step a call. At most
+            16.
     """
 
     max_num_seqs: int = 256
@@ -158,6 +164,7 @@ class EngineConfig:
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
     speculative: SpeculativeConfig | None = None
+    greedy_ring: int = GREEDY_RING
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
@@ -178,3 +185,5 @@ class EngineConfig:
             _check(isinstance(value, (int, float)) and value > 0, f"{name}={value!r} must be > 0")
         _check(self.speculative is None or isinstance(self.speculative, SpeculativeConfig),
                f"speculative={self.speculative!r} must be a SpeculativeConfig or None")
+        _check(_is_int(self.greedy_ring) and 0 <= self.greedy_ring <= GREEDY_RING,
+               f"greedy_ring={self.greedy_ring!r} must be an int in [0, {GREEDY_RING}] (0 or 1: off)")

@@ -117,6 +117,19 @@ class Scheduler:
             self._admit(plan, budget)
         return plan
 
+    def reserve(self, seqs: list[Sequence], n: int, least: int = 1) -> int:
+        """Pages for ``n`` more tokens of each running sequence in ``seqs`` (copy-on-write of a shared last block
+        included) without preempting anyone: ``n`` shrinks until the free blocks hold every row's. Returns it, or 0
+        (nothing reserved) when even ``least`` tokens do not fit."""
+        while n >= least and sum(self._blocks_needed(s, n) for s in seqs) > self.blocks.num_free:
+            n -= 1
+        if n < least:
+            return 0
+        for seq in seqs:
+            self._copy_on_write(seq, StepPlan())
+            self._grow(seq, n)
+        return n
+
     def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         """Blocks for ``seq``'s next ``n`` tokens (copy-on-write of a shared last block), preempting later sequences
         while too few are free; False if ``seq`` itself had to be preempted."""

@@ -19,7 +19,7 @@ from tests.tiny_tokenizer import make_tokenizer
 
 STATS_KEYS = {"finished_requests", "steps", "ttft_s", "tpot_s", "itl_s", "e2e_s", "output_tokens", "output_tok_s",
               "total_tok_s", "goodput_req_s", "slo_attainment", "slo", "kv_utilisation_mean", "kv_utilisation_max",
-              "kv_waste_max", "prefix_hit_rate", "prefix_hit_tokens", "preemptions"}
+              "kv_waste_max", "prefix_hit_rate", "prefix_hit_tokens", "preemptions", "ring_blocks", "ring_steps"}
 
 
 @pytest.fixture(autouse=True)
@@ -197,7 +197,7 @@ def test_n_sampled_with_seed_is_reproducible():
 def test_abort_before_start_mid_prefill_and_mid_decode():
     stock, engine = make_engine(max_num_batched_tokens=16)
     rows = prompts(4, lengths=(5, 60, 7, 4))
-    companion = engine.add_request(rows[3], greedy(40))  # keeps decoding beside the aborted ones
+    companion = engine.add_request(rows[3], greedy(120))  # keeps decoding beside the aborted ones (greedy blocks too)
     engine.step()
     before = engine.add_request(rows[0], greedy(8))
     engine.abort(before)
@@ -214,7 +214,7 @@ def test_abort_before_start_mid_prefill_and_mid_decode():
     assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
 
     decode = engine.add_request(rows[2], greedy(30))
-    for _ in range(5):
+    for _ in range(2):  # its prefill, then a block of greedy decode steps
         engine.step()
     engine.abort(decode)
     (out,) = engine.step()
@@ -225,7 +225,7 @@ def test_abort_before_start_mid_prefill_and_mid_decode():
         engine.abort("nope")
     with pytest.raises(KeyError, match=decode):  # finished requests are unknown too
         engine.abort(decode)
-    assert run_to_end(engine)[companion].outputs[0].token_ids == hf_greedy(stock, rows[3], 40)
+    assert run_to_end(engine)[companion].outputs[0].token_ids == hf_greedy(stock, rows[3], 120)
     assert_all_blocks_back(engine)
     assert engine.generate(rows[0], greedy(3), progress=False)[0].outputs[0].token_ids == hf_greedy(stock, rows[0], 3)
 

@@ -338,7 +338,7 @@ def test_prefix_caching_hits_and_matches_caching_off():
 
 
 def test_n_greedy_shares_prompt_blocks_with_copy_on_write():
-    stock, engine = make_engine(num_blocks=32)
+    stock, engine = make_engine(num_blocks=32, greedy_ring=0)  # plain steps: their plans hold every token and copy
     row = prompts(1, lengths=(21,))[0]  # 21 tokens: the last prompt block is partial and shared by the samples
     plans = record_plans(engine)
     (out,) = engine.generate(row, greedy(9, n=3), progress=False)

@@ -84,6 +84,8 @@ class SoakReport:
     swapped_out: int = 0
     prefix_hit_rate: float = 0.0
     drafted: int = 0  # draft tokens verified by speculating requests
+    ring_blocks: int = 0  # blocks of greedy decode steps read at once (EngineConfig.greedy_ring)
+    ring_steps: int = 0
     soak_s: float = 0.0
     reference_s: float = 0.0
     reference_noise: int = 0  # batched reference differed from the alone run, soak output equal to alone
@@ -100,7 +102,8 @@ class SoakReport:
                  f"x{c.block_size} tokens, reference={c.reference}",
                  f"  finished {self.finished}, aborted {self.aborted}, checked {self.checked}, steps {self.steps}, "
                  f"preemptions {self.preemptions}, sequences swapped out {self.swapped_out}, "
-                 f"prefix hit rate {self.prefix_hit_rate:.2f}, drafts verified {self.drafted}",
+                 f"prefix hit rate {self.prefix_hit_rate:.2f}, drafts verified {self.drafted}, greedy ring blocks "
+                 f"{self.ring_blocks} ({self.ring_steps} steps)",
                  f"  soak {self.soak_s:.1f} s, reference {self.reference_s:.1f} s, "
                  f"batched-reference noise {self.reference_noise}",
                  f"  mismatches {len(self.mismatches)}, leaks {len(self.leaks)}: {'OK' if self.ok else 'FAILED'}"]
@@ -204,6 +207,8 @@ def run_soak(cfg: SoakConfig, stall_steps: int = 500) -> SoakReport:
         report.preemptions = engine.scheduler.num_preemptions
         report.prefix_hit_rate = engine.stats()["prefix_hit_rate"]
         report.drafted = engine.speculation.drafted
+        stats = engine.stats()
+        report.ring_blocks, report.ring_steps = stats["ring_blocks"], stats["ring_steps"]
         problem = _check_accounting(engine)
         if problem or engine.blocks.num_used or engine.blocks.num_free != engine.blocks.num_total:
             report.leaks.append(f"after the run: {problem or ''} used {engine.blocks.num_used}, free "
@@ -334,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="share of greedy requests with repetition/frequency/presence penalties")
     ap.add_argument("--spec-rate", type=float, default=SoakConfig.spec_rate,
                     help="share of plain greedy requests that speculate with prompt lookup")
+    ap.add_argument("--arrival", type=float, default=SoakConfig.arrival,
+                    help="requests arriving per step on average (low rates leave the running batch alone, so the "
+                         "greedy ring runs)")
+    ap.add_argument("--sampled-rate", type=float, default=SoakConfig.sampled_rate, help="share of sampled requests")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls: 1 is fastest)")
     args = ap.parse_args(argv)
     if args.device == "cpu":
@@ -344,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                          reference=args.reference, family=args.family, num_blocks=args.num_blocks,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                          watermark=args.watermark, policy=args.policy, abort_rate=args.abort_rate,
-                         penalty_rate=args.penalty_rate, spec_rate=args.spec_rate)
+                         penalty_rate=args.penalty_rate, spec_rate=args.spec_rate, arrival=args.arrival,
+                         sampled_rate=args.sampled_rate)
         report = run_soak(cfg)
         print(report.summary(), flush=True)
         ok &= report.ok and report.preemptions > 0

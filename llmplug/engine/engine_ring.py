@@ -83,6 +83,12 @@ class EngineRing:
         for seq, row in zip(seqs, values):
             start = seq.num_tokens
             seq.tokens.extend(row)
+            if not seq.request.stream and seq.request.stop_ids.isdisjoint(row[:-1]):
+                # no token before the last can end the row (n is within its length limits): all at once
+                seq.resolved = start + n - 1
+                seq.token_times.extend([now] * (n - 1))
+                engine.metrics.output_tokens += n - 1
+                row, start = row[-1:], start + n - 1
             for j, token in enumerate(row):
                 seq.resolved = start + j + 1
                 engine.metrics.output_tokens += 1

@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llmplug  # noqa: E402
 from llmplug.bench.shapes import build  # noqa: E402
 from llmplug.bench.spec import OracleProposer, decisive  # noqa: E402
+from llmplug.engine.sequences import SequenceBatch  # noqa: E402
+from llmplug.engine.step import build_step  # noqa: E402
 from llmplug.state import state_of  # noqa: E402
 
 
@@ -119,6 +121,42 @@ def graph_latency(model, repeats: int = 50) -> list[dict]:
     return out
 
 
+def kernel_breakdown(model, rows: int, queries=(1, 5), repeats: int = 5) -> dict:
+    """GPU time per kernel name of one eager uniform step of ``rows`` rows and ``q`` tokens each, for each ``q``
+    (graphs off: the same kernels the graphs replay, each traced)."""
+    runner = state_of(model).runner
+    ids = torch.randint(3, model.config.vocab_size, (rows, 128), generator=torch.Generator().manual_seed(7)).cuda()
+    batch = SequenceBatch(runner, ids, None, max_length=160, prefix_cache=False)
+    out = {}
+    allowed, runner._graphs_allowed = runner._graphs_allowed, False
+    try:
+        batch.prefill()
+        for q in queries:
+            batch._grow(range(rows), [s.num_computed + q for s in batch.seqs])
+            ctx = build_step(batch.seqs, [q] * rows, batch.block_size, ids.device,
+                             input_ids=torch.zeros(rows * q, dtype=torch.long), block_tables=batch.block_table_dev,
+                             all_logits=True)
+            runner.step(ctx)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(repeats):
+                    runner.step(ctx)
+                torch.cuda.synchronize()
+            kernels = {}
+            for e in prof.key_averages():
+                if e.device_time_total > 0:
+                    kernels[e.key] = kernels.get(e.key, 0.0) + e.device_time_total / repeats
+            total = sum(kernels.values())
+            out[q] = {"total_us": total, "kernels": sorted(kernels.items(), key=lambda kv: -kv[1])[:14]}
+            print(f"  rows {rows}, q {q}: {total:.0f} us of kernels a step", flush=True)
+            for name, us in out[q]["kernels"]:
+                print(f"    {us:8.1f} us  {name[:90]}")
+    finally:
+        runner._graphs_allowed = allowed
+        batch.release()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-8b")
@@ -133,9 +171,11 @@ def main() -> int:
     rows = [profile_batch(model, b, args.alpha, args.k, args.new_tokens) for b in args.batches]
     print("\ngraphs:")
     graphs = graph_latency(model)
+    print("\nkernels of an eager step:")
+    kernels = {b: kernel_breakdown(model, b) for b in args.batches}
     if args.out:
         args.out.write_text(json.dumps({"model": args.model, "device": torch.cuda.get_device_name(), "rows": rows,
-                                        "graphs": graphs}, indent=1))
+                                        "graphs": graphs, "kernels": kernels}, indent=1))
     return 0
 
 

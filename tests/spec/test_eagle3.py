@@ -245,6 +245,19 @@ def test_generate_with_head_equals_greedy(tmp_path, k):
     _check_generate(stock, fast, _save(tmp_path / "head", config, _head_tensors(config)), ids, mask, k)
 
 
+def test_sampling_with_head(tmp_path):
+    """Sampled calls speculate with a head too (its greedy drafts verified by rejection sampling; the distribution is
+    tests/spec/test_generate_spec.py's): they run, and the rows keep their lengths."""
+    fast = llmplug.optimize(_target())
+    config = _head_config()
+    proposer = llmplug.load_eagle3(_save(tmp_path / "head", config, _head_tensors(config)), fast)
+    ids, mask = pad(prompts(3, lengths=(5, 17, 9)))
+    torch.manual_seed(0)
+    out = fast.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.7,
+                        eos_token_id=None, pad_token_id=0, assistant_model=proposer, num_assistant_tokens=3)
+    assert out.shape == (3, ids.shape[1] + 12) and llmplug.spec_stats(fast).drafted > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 3])
 def test_generate_with_head_on_cuda_graphs(tmp_path, batch):

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import llmplug  # noqa: E402
 from llmplug.bench.shapes import build  # noqa: E402
+from llmplug.engine import step as step_module  # noqa: E402
 from llmplug.engine.sequences import SequenceBatch  # noqa: E402
 from llmplug.engine.step import build_step  # noqa: E402
 from llmplug.ops import skinny_gemv  # noqa: E402
@@ -50,10 +51,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skinny-rows", type=int, default=None,
                     help="set llmplug.ops.skinny_gemv.MAX_ROWS (1: cuBLAS for every multi-token step)")
+    ap.add_argument("--decode-kernel-query", type=int, default=None,
+                    help="set llmplug.engine.step.DECODE_KERNEL_QUERY (1: verify steps on the prefill kernel)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.skinny_rows is not None:
         skinny_gemv.MAX_ROWS = args.skinny_rows
+    if args.decode_kernel_query is not None:
+        step_module.DECODE_KERNEL_QUERY = args.decode_kernel_query
     torch.manual_seed(0)
     model = llmplug.optimize(build(args.model, torch.bfloat16, "cuda"))
     runner = state_of(model).runner
@@ -85,7 +90,9 @@ def main() -> int:
         batch.release()
     if args.out:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "model": args.model,
-                                        "skinny_max_rows": skinny_gemv.MAX_ROWS, "rows": rows}, indent=1))
+                                        "skinny_max_rows": skinny_gemv.MAX_ROWS,
+                                        "decode_kernel_query": step_module.DECODE_KERNEL_QUERY, "rows": rows},
+                                       indent=1))
     return 0
 
 

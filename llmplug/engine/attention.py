@@ -47,6 +47,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     # fused kernel, which reads its first tile before the PDL wait, gained from that (rope_paged_attention).
     if meta.is_decode:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, **scales)
+    if meta.token_seq_lens is not None:  # a short uniform step: every token a decode row attending up to itself
+        return decode_attention(q, k_cache, v_cache, meta.token_block_tables, meta.token_seq_lens, scale, window, cap,
+                                **scales)
     nd = meta.num_decodes
     if nd == 0:
         return prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,

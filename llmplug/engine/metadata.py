@@ -26,6 +26,9 @@ class AttentionMetadata:
         num_decodes: packed only: the first ``num_decodes`` sequences have one new token each; their attention runs
             on the decode kernel (``seq_lens`` then holds their ``(num_decodes,)`` lengths), the rest on the prefill
             kernel.
+        token_seq_lens, token_block_tables: uniform steps of a few tokens a row (speculative verifies): ``(T,)
+            int32`` each token's causal length (its position + 1; 0 on padding rows) and ``(T, M) int32`` its row's
+            pages, so the decode kernel attends for every token; None otherwise (the prefill kernel).
     """
 
     query_len: int
@@ -36,6 +39,8 @@ class AttentionMetadata:
     max_seqlen_q: int = 0
     seq_lens: torch.Tensor | None = None
     num_decodes: int = 0
+    token_seq_lens: torch.Tensor | None = None
+    token_block_tables: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

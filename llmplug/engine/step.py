@@ -17,6 +17,10 @@ import torch
 from ..ops.decode_slots import decode_slots
 from .metadata import AttentionMetadata
 
+# NOTE: verify steps' attention on the decode kernel, a row per token (H100, 8B shape; BENCHMARKS.md, "Verify steps'
+# attention on the decode kernel"); longer uniform steps (prefill chunks) keep the prefill kernel.
+DECODE_KERNEL_QUERY = 8
+
 
 @dataclass
 class StepContext:
@@ -61,12 +65,19 @@ def uniform_metadata(positions: torch.Tensor, block_tables: torch.Tensor, block_
                      query_len: int) -> tuple[torch.Tensor, AttentionMetadata]:
     """A uniform step's metadata from device tensors alone: ``positions (B,)`` of each row's first new token (-1:
     padding), ``block_tables (B, M)`` -> ``(positions (B*Q,) clamped at 0, metadata)``. Decode steps (``Q == 1``)
-    attend on the decode kernel, longer queries on the prefill kernel (each row's context is its cached tokens)."""
+    and steps of up to ``DECODE_KERNEL_QUERY`` tokens a row (verifies: every token a row of its own) attend on the
+    decode kernel, longer queries on the prefill kernel (each row's context is its cached tokens)."""
     token_positions, slots, seq_lens = decode_slots(positions, block_tables, block_size, query_len)
     if query_len == 1:
         return token_positions, AttentionMetadata(query_len=1, slot_mapping=slots, block_tables=block_tables,
                                                   seq_lens=seq_lens)
     rows = block_tables.shape[0]
+    if query_len <= DECODE_KERNEL_QUERY:  # each token a row of the decode kernel, attending up to itself
+        steps = torch.arange(1 - query_len, 1, dtype=torch.int32, device=positions.device)
+        lens = torch.where(seq_lens[:, None] > 0, seq_lens[:, None] + steps, 0).reshape(-1)
+        return token_positions, AttentionMetadata(query_len=query_len, slot_mapping=slots, block_tables=block_tables,
+                                                  token_seq_lens=lens,
+                                                  token_block_tables=block_tables.repeat_interleave(query_len, 0))
     cu = torch.arange(0, (rows + 1) * query_len, query_len, dtype=torch.int32, device=positions.device)
     context = (seq_lens - query_len).clamp_(min=0)
     return token_positions, AttentionMetadata(query_len=query_len, slot_mapping=slots, block_tables=block_tables,

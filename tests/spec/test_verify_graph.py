@@ -35,7 +35,7 @@ def test_greedy_verify_graph_equals_the_eager_step():
             seq.num_computed -= 1  # the last prompt token is recomputed as the verify step's first
         firsts = [s.num_computed for s in batch.seqs]
         batch._grow(range(3), [f + 5 for f in firsts])
-        ctx = build_step(batch.seqs, [5] * 3, batch.block_size, ids.device, input_ids=torch.tensor(rows).reshape(-1),
+        ctx = build_step(batch.seqs, [5] * 3, batch.block_size, runner.device, input_ids=torch.tensor(rows).reshape(-1),
                          block_tables=batch.block_table_dev, all_logits=True)
         runner._graphs.clear()
         runner._graphs_allowed = False  # the eager step first

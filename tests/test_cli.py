@@ -142,14 +142,16 @@ def test_throughput_options_reach_the_full_parser(capsys):
 
 
 def test_bench_speculative_on_cpu(tmp_path, capsys):
-    """``llmplug bench speculative``: plain, prompt lookup and the trained draft model on input-grounded prompts, the
-    speculative outputs identical to plain decoding in fp32."""
+    """``llmplug bench speculative``: plain, prompt lookup, the trained draft model and the trained EAGLE-3 head on
+    input-grounded prompts, the speculative outputs identical to plain decoding in fp32."""
     out = tmp_path / "spec.json"
     assert cli.main(["bench", "--new-tokens", "6", "--out", str(out), "speculative", "--batches", "1", "2",
                      "--prompts", "2"]) == 0
     text = capsys.readouterr().out
     assert "| llmplug-stdlib-small | 2 | llmplug-stdlib-draft |" in text
+    assert "| llmplug-stdlib-small | 2 | llmplug-stdlib-small-eagle3 |" in text
     assert "speculative outputs identical to plain decoding: yes" in text
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["proposer"]) for r in rows] == [(b, p) for b in (1, 2) for p in
-                                                           ("none", "prompt lookup", "llmplug-stdlib-draft")]
+                                                           ("none", "prompt lookup", "llmplug-stdlib-draft",
+                                                            "llmplug-stdlib-small-eagle3")]

@@ -1,8 +1,9 @@
 """Speculative decoding's benchmark (``llmplug bench speculative``, ``benchmarks/spec_bench.py``): speculative
 ``generate`` against the same call without speculation, in one process.
 
-``trained``: real acceptance of prompt lookup and of the trained draft model on the shipped models, on input-grounded
-prompts made from held-out standard-library files (a near-copy of each file's continuation, then the file's start).
+``trained``: real acceptance of prompt lookup, the trained draft model and the trained EAGLE-3 head on the shipped
+models, on input-grounded prompts made from held-out standard-library files (a near-copy of each file's continuation,
+then the file's start).
 ``oracle``: acceptance on random weights means nothing, so the proposer replays the target's own greedy continuation
 (from the plain run) with each draft corrupted at rate ``1 - alpha``; the weights are made decisive (:func:`decisive`)
 so that bf16 greedy is reproducible and every output must equal the plain run's. With a draft model shape, the draft
@@ -31,6 +32,7 @@ from .sample import default_model
 from .shapes import build, weight_bytes
 
 DRAFT_NAME = "llmplug-stdlib-draft"
+HEAD_NAME = "llmplug-stdlib-small-eagle3"
 
 
 class OracleProposer:
@@ -104,7 +106,8 @@ def grounded_prompts(tokenizer, n: int, head: int = 192, copy: int = 192) -> lis
 
 def trained(device: str, dtype: torch.dtype, prompts: list[list[int]], batches=(1, 8), new_tokens: int = 256,
             k: int = 4, repeats: int = 3) -> list[dict]:
-    """Prompt lookup and the trained draft model on the shipped target, against plain decoding."""
+    """Prompt lookup, the trained draft model and the trained EAGLE-3 head on the shipped target, against plain
+    decoding."""
     from ..loading import load_causal_lm
 
     path = default_model()
@@ -112,6 +115,7 @@ def trained(device: str, dtype: torch.dtype, prompts: list[list[int]], batches=(
         raise FileNotFoundError("the shipped models are not beside the package (a source checkout has them)")
     target = llmplug.optimize(load_causal_lm(str(path), device, dtype=dtype))
     draft = llmplug.optimize(load_causal_lm(str(path.parent / DRAFT_NAME), device, dtype=dtype))
+    head = llmplug.load_eagle3(path.parent / HEAD_NAME, target, dtype=dtype)
     rows = []
     for b in batches:
         width = max(map(len, prompts[:b]))
@@ -122,7 +126,8 @@ def trained(device: str, dtype: torch.dtype, prompts: list[list[int]], batches=(
         base_s, ref = timed(functools.partial(target.generate, **gen), repeats, device)
         rows.append({"model": path.name, "batch": b, "proposer": "none", "tok_s": b * new_tokens / base_s})
         for name, extra in (("prompt lookup", dict(prompt_lookup_num_tokens=k)),
-                            (DRAFT_NAME, dict(assistant_model=draft, num_assistant_tokens=k))):
+                            (DRAFT_NAME, dict(assistant_model=draft, num_assistant_tokens=k)),
+                            (HEAD_NAME, dict(assistant_model=head, num_assistant_tokens=k))):
             secs, out = timed(functools.partial(target.generate, **gen, **extra), repeats, device)
             stats = llmplug.spec_stats(target)
             rows.append({"model": path.name, "batch": b, "proposer": name, "k": k, "tok_s": b * new_tokens / secs,

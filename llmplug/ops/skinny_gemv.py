@@ -83,12 +83,18 @@ def _(x, weight, bias, block_n, block_k, num_warps, num_stages):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``W: (N, K)``. NOTE: H100, 2026-11-27,
-    ``benchmarks/skinny_sweep.py`` (BENCHMARKS.md, "Speculative decoding"): (64, 256, 4, 4) is the best or within 3%
-    of the best config on every 8B shape at 1-8 rows."""
-    del n, k
-    return (64, 256, 4, 4)
+SHARED_BUDGET = 200 * 1024  # bytes of shared memory the pipeline stages may take (an H100 SM has 227 KB)
+
+
+def choose_config(n: int, k: int, element_size: int = 2) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``W: (N, K)`` of ``element_size``-byte elements. NOTE: H100,
+    2026-11-27, ``benchmarks/skinny_sweep.py`` (BENCHMARKS.md, "Speculative decoding"): (64, 256, 4, 4) is the best or
+    within 3% of the best config on every 8B shape at 1-8 rows in bf16; wider elements get fewer stages, as many as
+    fit ``SHARED_BUDGET`` (fp32's four would need 240 KB)."""
+    del n
+    block_n, block_k = 64, min(256, next_pow2(k))
+    per_stage = (block_n + 16) * block_k * element_size  # a weight tile and the padded input rows
+    return (block_n, 256, 4, max(1, min(4, SHARED_BUDGET // per_stage)))
 
 
 def skinny_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: str = "",
@@ -111,5 +117,6 @@ def skinny_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"skinny_gemv needs x of shape (M, {k}) with 1 <= M <= {MAX_ROWS}, got {tuple(x.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x.dtype={x.dtype} does not match weight.dtype={weight.dtype}")
-    y = call_op(_skinny_gemv_op, x.contiguous(), weight, bias, *(config or choose_config(n, k)))
+    y = call_op(_skinny_gemv_op, x.contiguous(), weight, bias,
+                *(config or choose_config(n, k, weight.element_size())))
     return act_and_mul(y, gated) if gated else y

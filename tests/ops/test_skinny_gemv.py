@@ -41,3 +41,13 @@ def test_kernel_cuda_bf16(m, n, k, gated):
     got = skinny_gemv(x, w, None, gated)
     ref64 = skinny_gemv_ref(x.double(), w.double(), None, gated)
     assert_close_matmul_like(got, ref64, skinny_gemv_ref(x, w, None, gated))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(512, 256), (768, 4096), (8192, 256)])
+def test_kernel_cuda_fp32(n, k):
+    """fp32 weights get as many pipeline stages as fit in shared memory (four overflowed it: 240 KB at K >= 256)."""
+    x = torch.randn(5, k, device="cuda")
+    w = torch.randn(n, k, device="cuda") * 0.02
+    got = skinny_gemv(x, w)
+    torch.testing.assert_close(got, skinny_gemv_ref(x.double(), w.double()).float(), rtol=1e-4, atol=1e-4)

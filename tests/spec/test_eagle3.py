@@ -323,4 +323,4 @@ def test_committed_head_drafts_for_the_small_model(monkeypatch):
     expected = stock.generate(**kw)
     assert torch.equal(fast.generate(**kw, assistant_model=proposer, num_assistant_tokens=4), expected)
     stats = llmplug.spec_stats(fast)
-    assert stats.acceptance_rate > 0.2 and stats.tokens_per_step > 1.5, stats
+    assert stats.acceptance_rate > 0.5 and stats.tokens_per_step > 2.5, stats  # the trained head: 0.9 held out

@@ -189,7 +189,8 @@ class ModelRunner:
             return self._replay_uniform(ctx, bucket)
         positions, meta = ctx.positions, ctx.meta
         if q:
-            positions, meta = uniform_metadata(ctx.positions, ctx.block_tables, self.block_size, q)
+            positions, meta = uniform_metadata(ctx.positions, ctx.block_tables, self.block_size, q,
+                                               every_token=ctx.logits_indices is None)
         chunk = next((t for t in self.config.graph_prefill_tokens if t >= tokens), None)
         if self._graphs_allowed and rows == 1 and q != 1 and chunk is not None and ctx.logits_indices is not None:
             return self._replay_prefill(ctx.input_ids, positions, meta, ctx.logits_indices, chunk)
@@ -334,7 +335,8 @@ class ModelRunner:
     def _uniform_forward(self, buf: dict[str, torch.Tensor], query_len: int = 1) -> torch.Tensor:
         """One uniform step on a graph's buffers (``input_ids``, ``positions``, ``block_tables``) -> every row's
         logits."""
-        positions, meta = uniform_metadata(buf["positions"], buf["block_tables"], self.block_size, query_len)
+        positions, meta = uniform_metadata(buf["positions"], buf["block_tables"], self.block_size, query_len,
+                                           every_token=True)
         return self._forward(buf["input_ids"], positions, meta, None)
 
     def _capture_prefill(self, tokens: int):

@@ -61,18 +61,20 @@ def block_table(blocks: list[list[int]], device: torch.device) -> torch.Tensor:
     return to_device(torch.tensor([b + [0] * (width - len(b)) for b in blocks], dtype=torch.int32), device)
 
 
-def uniform_metadata(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-                     query_len: int) -> tuple[torch.Tensor, AttentionMetadata]:
+def uniform_metadata(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int, query_len: int,
+                     every_token: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
     """A uniform step's metadata from device tensors alone: ``positions (B,)`` of each row's first new token (-1:
     padding), ``block_tables (B, M)`` -> ``(positions (B*Q,) clamped at 0, metadata)``. Decode steps (``Q == 1``)
-    and steps of up to ``DECODE_KERNEL_QUERY`` tokens a row (verifies: every token a row of its own) attend on the
-    decode kernel, longer queries on the prefill kernel (each row's context is its cached tokens)."""
+    and, when ``every_token``'s logits are wanted (verification), steps of up to ``DECODE_KERNEL_QUERY`` tokens a
+    row (every token a row of its own) attend on the decode kernel; other queries on the prefill kernel (each row's
+    context is its cached tokens), so the Engine's uniform prefill chunks launch no decode-kernel variant that warm-up
+    did not compile."""
     token_positions, slots, seq_lens = decode_slots(positions, block_tables, block_size, query_len)
     if query_len == 1:
         return token_positions, AttentionMetadata(query_len=1, slot_mapping=slots, block_tables=block_tables,
                                                   seq_lens=seq_lens)
     rows = block_tables.shape[0]
-    if query_len <= DECODE_KERNEL_QUERY:  # each token a row of the decode kernel, attending up to itself
+    if every_token and query_len <= DECODE_KERNEL_QUERY:  # each token a decode row, attending up to itself
         steps = torch.arange(1 - query_len, 1, dtype=torch.int32, device=positions.device)
         lens = torch.where(seq_lens[:, None] > 0, seq_lens[:, None] + steps, 0).reshape(-1)
         return token_positions, AttentionMetadata(query_len=query_len, slot_mapping=slots, block_tables=block_tables,

@@ -63,6 +63,7 @@ class SoakConfig:
     sampled_rate: float = 0.1
     penalty_rate: float = 0.1
     n2_rate: float = 0.05
+    greedy_ring: int = 16  # EngineConfig.greedy_ring (off by default in the Engine; the soak exercises it)
     spec_rate: float = 0.25  # share of plain greedy requests that speculate (prompt lookup, 1-4 drafts)
     eos_rate: float = 0.2
     stop_rate: float = 0.2
@@ -156,7 +157,7 @@ def _engine(stock: torch.nn.Module, num_blocks: int, cfg: SoakConfig, **override
     fast.generation_config.eos_token_id = 2
     llmplug.optimize(fast, kv_num_blocks=num_blocks, kv_block_size=cfg.block_size)
     engine_cfg = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                      policy=cfg.policy, watermark=cfg.watermark, preemption_mode=cfg.mode)
+                      policy=cfg.policy, watermark=cfg.watermark, preemption_mode=cfg.mode, greedy_ring=cfg.greedy_ring)
     engine_cfg.update(overrides)
     if engine_cfg["preemption_mode"] == "swap":
         cache = state_of(fast).runner.ensure_cache()
@@ -342,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arrival", type=float, default=SoakConfig.arrival,
                     help="requests arriving per step on average (low rates leave the running batch alone, so the "
                          "greedy ring runs)")
+    ap.add_argument("--greedy-ring", type=int, default=SoakConfig.greedy_ring, help="EngineConfig.greedy_ring")
     ap.add_argument("--sampled-rate", type=float, default=SoakConfig.sampled_rate, help="share of sampled requests")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls: 1 is fastest)")
     args = ap.parse_args(argv)
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                          watermark=args.watermark, policy=args.policy, abort_rate=args.abort_rate,
                          penalty_rate=args.penalty_rate, spec_rate=args.spec_rate, arrival=args.arrival,
-                         sampled_rate=args.sampled_rate)
+                         sampled_rate=args.sampled_rate, greedy_ring=args.greedy_ring)
         report = run_soak(cfg)
         print(report.summary(), flush=True)
         ok &= report.ok and report.preemptions > 0

@@ -150,8 +150,10 @@ class EngineConfig:
             step's tokens (drafts are proposed from them) instead of running one step ahead.
         greedy_ring: while every running request decodes greedily (no penalties, stop strings or speculation) and
             nothing else waits, one step runs a block of up to this many decode steps and the host reads their tokens
-            once (CUDA graph replays with the token chosen on the device); 0 or 1: one decode step a call. At most
-            16.
+            once (CUDA graph replays with the token chosen on the device); 0 or 1 (the default): one decode step a
+            call. At most 16. Off by default: the one-step-ahead pipeline already hides the host's work where the GPU
+            step is the longer one, and a block's read of its tokens leaves the GPU idle (H100: 8B workload (d)
+            -4%, 1B (b) -4%; BENCHMARKS.md); it pays where the host is slower than the model (tiny models, CPU).
     """
 
     max_num_seqs: int = 256
@@ -164,7 +166,7 @@ class EngineConfig:
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
     speculative: SpeculativeConfig | None = None
-    greedy_ring: int = GREEDY_RING
+    greedy_ring: int = 0
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1,

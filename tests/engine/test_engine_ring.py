@@ -19,6 +19,12 @@ ROWS = prompts(5, lengths=(5, 13, 2, 8, 30))
 NEW = [20, 7, 33, 16, 25]
 
 
+def _ring_engine(**kw):
+    """:func:`make_engine` with the ring on (``EngineConfig.greedy_ring`` is off by default)."""
+    kw.setdefault("greedy_ring", 16)
+    return make_engine(**kw)
+
+
 @pytest.fixture(autouse=True)
 def _references():
     with reference_kernels():
@@ -45,7 +51,7 @@ def _spy_reserve(engine: Engine) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("ring", [16, 5, 0])
 def test_greedy_equals_solo_runs(ring):
-    stock, engine = make_engine(greedy_ring=ring)
+    stock, engine = _ring_engine(greedy_ring=ring)
     calls = _spy_reserve(engine)
     outs = engine.generate(ROWS, [greedy(n) for n in NEW], progress=False)
     for row, n, out in zip(ROWS, NEW, outs):
@@ -68,7 +74,7 @@ def test_stop_ids_and_eos_stop_rows_mid_block():
     free = [hf_greedy(stock, row, 40) for row in ROWS]
     eos = free[0][6]  # row 0 stops at its 7th token (mid-block) on eos
     stops = [(), (free[1][3],), (free[2][10], free[2][25]), (), (free[4][20],)]
-    _, engine = make_engine(stock=stock, eos=eos)
+    _, engine = _ring_engine(stock=stock, eos=eos)
     params = [SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=s, ignore_eos=(i == 3))
               for i, s in enumerate(stops)]
     outs = engine.generate(ROWS, params, progress=False)
@@ -87,7 +93,7 @@ def test_stop_ids_and_eos_stop_rows_mid_block():
 def test_arrivals_and_aborts_between_blocks():
     """A request added while blocks run waits for the block to end, is prefilled (no block that step) and joins the
     next block; an aborted one keeps the tokens it had; the others equal their solo runs."""
-    stock, engine = make_engine()
+    stock, engine = _ring_engine()
     ids = [engine.add_request(r, greedy(n)) for r, n in zip(ROWS[:3], (40, 40, 40))]
     done = {}
     for _ in range(3):
@@ -115,7 +121,7 @@ def test_small_pool_shrinks_or_skips_blocks():
     plain steps then preempt as usual); outputs still equal solo runs."""
     rows = prompts(8, lengths=(6, 3, 9, 5), seed=1)
     news = [18, 22, 9, 14, 20, 11, 16, 19]
-    stock, engine = make_engine(num_blocks=8, block_size=8, max_num_seqs=4, watermark=0.0)
+    stock, engine = _ring_engine(num_blocks=8, block_size=8, max_num_seqs=4, watermark=0.0)
     calls = _spy_reserve(engine)
     outs = engine.generate(rows, [greedy(n) for n in news], progress=False)
     for row, n, out in zip(rows, news, outs):
@@ -129,7 +135,7 @@ def test_small_pool_shrinks_or_skips_blocks():
 def test_forks_copy_on_write_and_prefix_hits_on_ring_blocks():
     """n = 2 greedy samples share the prompt's last partial page until the ring copies it; a later prompt that
     continues an earlier output hits the pages the ring filled and registered."""
-    stock, engine = make_engine(block_size=8)
+    stock, engine = _ring_engine(block_size=8)
     calls = _spy_reserve(engine)
     first = engine.generate([ROWS[1]], SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, n=2),
                             progress=False)[0]
@@ -149,7 +155,7 @@ def test_rows_ending_at_max_model_len():
     stock.generation_config.eos_token_id = None
     fast = copy.deepcopy(stock)
     llmplug.optimize(fast, kv_num_blocks=32, kv_block_size=8, max_model_len=40)
-    engine = Engine(fast, EngineConfig())
+    engine = Engine(fast, EngineConfig(greedy_ring=16))
     outs = engine.generate([ROWS[4], ROWS[0]], [greedy(10), greedy(35)], progress=False)
     assert outs[0].outputs[0].token_ids == hf_greedy(stock, ROWS[4], 10)
     assert outs[1].outputs[0].token_ids == hf_greedy(stock, ROWS[0], 35)
@@ -162,7 +168,7 @@ def test_streaming_deltas_are_unchanged():
     tokens share one time)."""
     got, stock = {}, None
     for ring in (16, 0):
-        stock, engine = make_engine(stock=stock, greedy_ring=ring)
+        stock, engine = _ring_engine(stock=stock, greedy_ring=ring)
         events = []
         engine.add_request(ROWS[0], greedy(40), on_event=events.append)
         while engine.has_unfinished_requests():
@@ -180,7 +186,7 @@ def test_sampled_penalised_or_stop_string_neighbours_keep_plain_steps():
     for other in (SamplingParams(max_new_tokens=30, temperature=0.8, seed=0, ignore_eos=True),
                   SamplingParams(max_new_tokens=30, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
                   SamplingParams(max_new_tokens=30, temperature=0.0, min_new_tokens=30, ignore_eos=True)):
-        stock, engine = make_engine()
+        stock, engine = _ring_engine()
         outs = engine.generate(ROWS[:3], [greedy(20), other, greedy(25)], progress=False)
         assert outs[0].outputs[0].token_ids == hf_greedy(stock, ROWS[0], 20)
         assert outs[2].outputs[0].token_ids == hf_greedy(stock, ROWS[2], 25)
@@ -196,7 +202,7 @@ def test_random_mix_against_solo_runs(mode):
     stock = make_model("llama")
     stock.generation_config.eos_token_id = None
     rows = prompts(40, lengths=(3, 17, 8, 30, 5, 12), seed=2)
-    _, engine = make_engine(stock=stock, num_blocks=20, block_size=8, max_num_batched_tokens=32, preemption_mode=mode,
+    _, engine = _ring_engine(stock=stock, num_blocks=20, block_size=8, max_num_batched_tokens=32, preemption_mode=mode,
                             swap_space_gb=0.01)
     _spy_reserve(engine)
     jobs = []
@@ -264,7 +270,8 @@ def test_ring_on_cuda_graphs_equals_stock_fp32():
         assert (engine.stats()["ring_blocks"] > 0) == bool(ring)
         assert engine.blocks.num_used == 0
     assert ("greedy", 8) in state_of(fast).runner._graphs
-    forked = Engine(fast, EngineConfig()).generate(rows[:2], SamplingParams(max_new_tokens=30, temperature=0.0,
+    forked = Engine(fast, EngineConfig(greedy_ring=16)).generate(rows[:2], SamplingParams(max_new_tokens=30,
+                                                                                         temperature=0.0,
                                                                             ignore_eos=True, n=3), progress=False)
     for row, out in zip(rows, forked):
         assert [c.token_ids for c in out.outputs] == [solo(row, 30)] * 3

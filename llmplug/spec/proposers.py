@@ -58,8 +58,11 @@ class DraftModelProposer:
         num_new = [s.num_tokens - s.num_computed for s in seqs]
         batch._grow(rows, [s.num_tokens + k - 1 for s in seqs])
         tables = batch.tables(rows)
-        ctx = build_step(seqs, num_new, batch.block_size, batch.device, block_tables=tables)
-        tokens = [batch.runner.step(ctx).argmax(-1)]
+        q = num_new[0] if all(n == num_new[0] for n in num_new) else 0
+        # a uniform catch-up asks for every token's logits, so it replays the (rows bucket, q) graph like a verify step
+        ctx = build_step(seqs, num_new, batch.block_size, batch.device, block_tables=tables, all_logits=bool(q))
+        logits = batch.runner.step(ctx)
+        tokens = [(logits.view(len(seqs), q, -1)[:, -1] if q else logits).argmax(-1)]
         for seq, n in zip(seqs, num_new):
             seq.num_computed += n
         for _ in range(k - 1):

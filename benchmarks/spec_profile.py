@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import llmplug  # noqa: E402
+from llmplug.bench import timing  # noqa: E402
 from llmplug.bench.shapes import build  # noqa: E402
 from llmplug.bench.spec import OracleProposer, decisive  # noqa: E402
 from llmplug.engine.sequences import SequenceBatch  # noqa: E402
@@ -95,15 +96,7 @@ def graph_latency(model, repeats: int = 50) -> list[dict]:
     runner = state_of(model).runner
     out = []
     for key, (graph, _) in list(runner._graphs.items()):
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        gpu = start.elapsed_time(end) / repeats
+        gpu = timing.replay_seconds(graph, repeats, warmup=1) * 1e3
         launch = serial = 0.0
         for _ in range(repeats):
             t0 = time.perf_counter()

@@ -10,6 +10,7 @@ them in ``runner.aux_hidden``; graphs captured so are kept beside the others, un
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -71,6 +72,7 @@ class ModelRunner:
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.cache: PagedKVCache | None = None
         self._weights_version: int | None = None  # the weights the prefix cache's KV was computed with
+        self._warned_untracked = False  # said once that inference-tensor weights keep no prefix cache
         self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._pool = None  # one CUDA-graph memory pool shared by every captured graph
         self._hf_configs = self._attention_configs()
@@ -119,8 +121,14 @@ class ModelRunner:
             return
         try:
             version = hash(tuple((p.data_ptr(), p._version) for p in self.model.parameters()))
-        except RuntimeError:
+        except RuntimeError:  # inference tensors keep no version counter
             version = None
+            if not self._warned_untracked:
+                self._warned_untracked = True
+                warnings.warn("the model's parameters are inference tensors (made under torch.inference_mode), whose "
+                              "in-place updates cannot be seen: llmplug drops the prefix cache whenever new prompts "
+                              "arrive, so prompts share no KV across calls; load the model outside inference_mode to "
+                              "keep it", stacklevel=3)
         if version is None or version != self._weights_version:
             if self.cache is not None:
                 self.cache.blocks.reset_cache()

@@ -46,3 +46,23 @@ def test_engine_after_an_in_place_weight_update():
         want = stock.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, len(prompt):].tolist()
         assert got == want
+
+
+def test_inference_tensor_weights_say_the_prefix_cache_is_dropped():
+    """Weights made under ``torch.inference_mode`` keep no version counter: llmplug cannot see their in-place updates,
+    so it drops the prefix cache when prompts arrive (correct, not fast) and says so once."""
+    import warnings
+
+    with reference_kernels():
+        with torch.inference_mode():
+            fast = make_model("llama")
+        engine = llmplug.Engine(llmplug.optimize(fast))
+        params = llmplug.SamplingParams(max_new_tokens=2, temperature=0.0)
+        prompt = prompts(1, lengths=(40,))[0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.generate([prompt], params, progress=False)
+            engine.generate([prompt], params, progress=False)
+        said = [w for w in caught if "inference tensors" in str(w.message)]
+        assert len(said) == 1
+        assert state_of(fast).runner.cache.blocks.stats.hit_tokens == 0

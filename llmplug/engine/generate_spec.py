@@ -11,6 +11,7 @@ from transformers import EosTokenCriteria, MaxLengthCriteria
 
 from ..spec.adaptive import AdaptiveK
 from ..spec.decode import speculative_decode
+from ..spec.draft import check_draft_model
 from ..spec.proposers import DraftModelProposer, NgramProposer
 from ..spec.stats import SpecStats
 from ..state import ensure_state
@@ -48,11 +49,7 @@ def prepare_draft(assistant, target) -> None:
     if not hasattr(assistant, "generate") or not hasattr(assistant, "config"):
         raise TypeError(f"assistant_model must be an HF causal LM or a proposer with propose(rows, histories, k), got "
                         f"{type(assistant).__name__}")
-    ours = target.get_input_embeddings().num_embeddings
-    theirs = assistant.get_output_embeddings().out_features
-    if theirs > ours:  # its drafts could be ids the model cannot embed
-        raise ValueError(f"assistant_model proposes ids up to {theirs - 1} but the model embeds only {ours}: a draft "
-                         "model must share the model's tokenizer")
+    check_draft_model(assistant, target, "assistant_model")
     ensure_state(assistant)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .draft import catch_up, draft_greedy
 from .ngram import propose_ngram
 
 
@@ -32,7 +33,8 @@ class DraftModelProposer:
 
     Each row's draft KV follows the row's history: before proposing, the row keeps the KV of the longest prefix its
     last proposal and the history share (accepted drafts keep theirs), feeds the rest in one step, then runs ``k - 1``
-    decode steps whose tokens stay on the device until the drafts are read once.
+    decode steps whose tokens stay on the device until the drafts are read once (:mod:`llmplug.spec.draft`, shared
+    with the Engine).
 
     Args:
         batch: the draft's :class:`~llmplug.engine.sequences.SequenceBatch` over the same prompts, not prefilled yet
@@ -42,39 +44,16 @@ class DraftModelProposer:
     def __init__(self, batch) -> None:
         self.batch = batch
         batch.prefill()  # the prompts, in chunks of max_prefill_tokens
-        self._fed = [list(s.tokens) for s in batch.seqs]  # tokens the draft holds KV for (or is computing), per row
 
     def propose(self, rows: list[int], histories: list[list[int]], k: int) -> list[list[int]]:
         """Greedy drafts of the draft model: ``k`` ids for each of ``rows``."""
-        from ..engine.step import build_step
-
         batch = self.batch
         seqs = [batch.seqs[r] for r in rows]
         for r, seq in zip(rows, seqs):
-            history, fed = histories[r], self._fed[r]
-            same = next((i for i, (a, b) in enumerate(zip(history, fed)) if a != b), min(len(history), len(fed)))
-            seq.num_computed = min(seq.num_computed, same, len(history) - 1)
-            seq.tokens = list(history)
-        num_new = [s.num_tokens - s.num_computed for s in seqs]
+            catch_up(seq, histories[r])
         batch._grow(rows, [s.num_tokens + k - 1 for s in seqs])
-        tables = batch.tables(rows)
-        q = num_new[0] if all(n == num_new[0] for n in num_new) else 0
-        # a uniform catch-up asks for every token's logits, so it replays the (rows bucket, q) graph like a verify step
-        ctx = build_step(seqs, num_new, batch.block_size, batch.device, block_tables=tables, all_logits=bool(q))
-        logits = batch.runner.step(ctx)
-        tokens = [(logits.view(len(seqs), q, -1)[:, -1] if q else logits).argmax(-1)]
-        for seq, n in zip(seqs, num_new):
-            seq.num_computed += n
-        for _ in range(k - 1):
-            ctx = build_step(seqs, [1] * len(seqs), batch.block_size, batch.device, input_ids=tokens[-1],
-                             block_tables=tables)
-            tokens.append(batch.runner.step(ctx).argmax(-1))
-            for seq in seqs:
-                seq.num_computed += 1
-        drafts = torch.stack(tokens, dim=1).tolist()
-        for r, d in zip(rows, drafts):
-            self._fed[r] = histories[r] + d[:-1]
-        return drafts
+        return draft_greedy(batch.runner, seqs, [k] * len(seqs), batch.block_size, batch.device,
+                            block_tables=batch.tables(rows))
 
     def release(self) -> None:
         """Give the draft's pages back."""

@@ -111,6 +111,7 @@ class Engine(ServingMixin):
         self._warmed = False
         self._pending: _Pending | None = None  # the last launched step, whose tokens the host has not seen yet
         self.speculation = EngineSpeculation(self)
+        self.scheduler.on_release = self.speculation.release
         self.ring = EngineRing(self)
 
     # ---- submission --------------------------------------------------------------------------------------------
@@ -127,7 +128,8 @@ class Engine(ServingMixin):
             stream: send token deltas to ``on_event`` (False: only the final output).
 
         Raises:
-            ValueError: empty or over-long prompt, unknown token ids, text without a tokenizer, a duplicate id.
+            ValueError: empty or over-long prompt, unknown token ids, text without a tokenizer, a duplicate id, a draft
+                model (``params.speculative``) with another vocabulary.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -146,6 +148,8 @@ class Engine(ServingMixin):
             raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs a tokenizer: Engine(model, tokenizer=...)")
+        if params.speculative is not None:
+            self.speculation.check(params.speculative)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         with self._lock:
             order = next(self._counter)
@@ -434,15 +438,20 @@ class Engine(ServingMixin):
     def warmup(self) -> None:
         """Pay one-time costs now, not mid-serving (CUDA only; once per engine).
 
-        Captures the decode graph and the greedy ring's of every batch size up to ``max_num_seqs``, then serves a
-        throwaway set of random prompts (lengths from 1 to ``max_num_batched_tokens``, a few tokens each), so the
-        kernels' variants of mixed steps are compiled and single-sequence prefill graphs captured. Counters and prefix
-        cache are reset.
+        Captures the decode graph (and the draft model's, with ``EngineConfig.speculative`` drafting with one) and the
+        greedy ring's of every batch size up to ``max_num_seqs``, then serves a throwaway set of random prompts (lengths
+        from 1 to ``max_num_batched_tokens``, a few tokens each), so the kernels' variants of mixed steps are compiled
+        and single-sequence prefill graphs captured. Counters and prefix cache are reset.
         """
         if self._warmed or self.runner.device.type != "cuda":
             return
         self._warmed = True
         self.runner.capture_decode_graphs(self.config.max_num_seqs)
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft":  # the draft model's decode graphs too
+            drafter = self.speculation.drafter(spec.draft_model)
+            with drafter.state.step_lock:
+                drafter.runner.capture_decode_graphs(self.config.max_num_seqs)
         if self.config.greedy_ring >= 2:  # the greedy ring's graphs, one per rows bucket
             top = self.runner.graph_bucket(self.config.max_num_seqs) or self.runner.config.graph_batch_sizes[-1]
             for bucket in self.runner.config.graph_batch_sizes:

@@ -1,9 +1,11 @@
-"""The Engine's speculative steps: requests verify prompt-lookup drafts inside continuous batching.
+"""The Engine's speculative steps: requests verify drafts (prompt lookup or a draft model) inside continuous batching.
 
 Each step, a running request without penalties whose next token is a decode and that speculates (its
-``SamplingParams.speculative``, else ``EngineConfig.speculative``) gets up to ``num_tokens`` drafts (the
-tokens after the latest earlier occurrence of its tail) when the pool has pages for them without preempting anyone and
-the step's token budget allows; the step computes its last token and the drafts and returns all their logits. A greedy
+``SamplingParams.speculative``, else ``EngineConfig.speculative``) gets up to ``num_tokens`` drafts when the pool has
+pages for them without preempting anyone and the step's token budget allows: with ``method="ngram"`` the tokens after
+the latest earlier occurrence of its tail, with ``method="draft"`` the draft model's greedy tokens
+(:mod:`.engine_draft`: every row of a draft model drafted together, its KV kept in the draft's own pool). The step
+computes the request's last token and the drafts and returns all their logits. A greedy
 request keeps the drafts while they equal the argmax, then the argmax after them (exactly greedy decoding's tokens); a
 sampled one verifies them by exact rejection sampling against the sampler's distribution (temperature, top-k/p,
 min-p; its own generator when seeded), so its tokens follow the same distribution. Rejected drafts are not
@@ -18,8 +20,11 @@ import time
 
 import torch
 
+from ..spec.draft import check_draft_model
 from ..spec.ngram import propose_ngram
 from ..spec.rejection import greedy_accept, rejection_sample
+from ..state import ensure_state
+from .engine_draft import EngineDrafter
 from .params import SpeculativeConfig
 from .request import RequestOutput, Sequence, Status
 from .sampler import generator_of, sampling_probs
@@ -44,6 +49,31 @@ class EngineSpeculation:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.drafted = self.accepted = self.steps = 0
+        self.drafters: dict[torch.nn.Module, EngineDrafter] = {}  # one per draft model, made on the engine's thread
+        if engine.config.speculative is not None:
+            self.check(engine.config.speculative)
+
+    def check(self, cfg: SpeculativeConfig) -> None:
+        """Raise unless ``cfg``'s draft model (if any) can draft for the engine's model; put it on llmplug."""
+        if cfg.method != "draft":
+            return
+        if cfg.draft_model is self.engine.model:
+            raise ValueError("draft_model is the engine's model itself: a draft model must be a smaller (or a copied) "
+                             "model")
+        check_draft_model(cfg.draft_model, self.engine.model, "draft_model")
+        ensure_state(cfg.draft_model)
+
+    def drafter(self, model: torch.nn.Module) -> EngineDrafter:
+        """The engine's state for draft model ``model`` (made on first use)."""
+        drafter = self.drafters.get(model)
+        if drafter is None:
+            drafter = self.drafters[model] = EngineDrafter(model, self.engine.config.max_num_batched_tokens)
+        return drafter
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` gave up its KV (finished, aborted, failed or preempted): so does its draft side."""
+        for drafter in self.drafters.values():
+            drafter.release(seq)
 
     def config_of(self, seq: Sequence) -> SpeculativeConfig | None:
         """The request's own speculation settings, else the engine's (None: it does not speculate)."""
@@ -89,23 +119,35 @@ class EngineSpeculation:
         blocks, size = engine.blocks, engine.block_size
         budget = engine.config.max_num_batched_tokens - plan.num_tokens
         out = []
-        for seq, n in zip(plan.seqs, plan.num_new):
+        wants: dict[EngineDrafter, list[tuple[int, int]]] = {}  # per draft model: (row, pages taken for its drafts)
+        for i, (seq, n) in enumerate(zip(plan.seqs, plan.num_new)):
             d: list[int] = []
             p, cfg = seq.request.params, self.config_of(seq)
             if (cfg is not None and budget > 0 and n == 1 and seq.num_computed == seq.num_tokens - 1
                     and seq.resolved == seq.num_tokens and _unpenalised(seq) and len(seq.request.seqs) == p.n):
                 k = min(cfg.num_tokens, budget, p.max_new_tokens - seq.num_output - 1,
                         engine.runner.max_model_len - seq.num_tokens - 1)
-                if k > 0:
-                    d = propose_ngram(torch.tensor(seq.tokens), k, cfg.max_ngram, cfg.min_ngram).tolist()
+                if k > 0:  # a draft model's k tokens are drafted below, all its rows at once
+                    d = propose_ngram(torch.tensor(seq.tokens), k, cfg.max_ngram, cfg.min_ngram).tolist() \
+                        if cfg.method == "ngram" else [-1] * k
                 need = -(-(seq.num_tokens + len(d)) // size) - len(seq.blocks)
                 if d and need > 0:
                     if need <= blocks.num_free:
                         seq.blocks.extend(blocks.allocate(need))
                     else:
                         d = []
+                if d and cfg.method == "draft":
+                    wants.setdefault(self.drafter(cfg.draft_model), []).append((i, max(need, 0)))
             budget -= len(d)
             out.append(d)
+        for drafter, rows in wants.items():
+            drafts = drafter.propose([plan.seqs[i] for i, _ in rows], [len(out[i]) for i, _ in rows])
+            for (i, taken), d in zip(rows, drafts):
+                out[i] = d
+                if not d and taken:  # no drafts after all: the pages taken for them go back
+                    seq = plan.seqs[i]
+                    blocks.free(seq.blocks[-taken:])
+                    del seq.blocks[-taken:]
         return out
 
     def _accept(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor, starts: list[int],
@@ -128,7 +170,7 @@ class EngineSpeculation:
             rows = torch.tensor(group, device=dev)
             if group is greedy:
                 tokens, emitted = greedy_accept(block[rows], drafted[rows], counts[rows])
-            else:  # exact rejection sampling; prompt lookup's drafts are deterministic (one-hot q)
+            else:  # exact rejection sampling; the drafts are deterministic (prompt lookup, greedy draft model)
                 probs = sampling_probs(block[rows].flatten(0, 1), [seqs[i] for i in group for _ in range(k + 1)])
                 tokens, emitted = rejection_sample(probs.view(len(group), k + 1, -1), drafted[rows], counts[rows],
                                                    generators=[generator_of(seqs[i], dev) for i in group])

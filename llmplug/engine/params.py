@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .runner import GREEDY_RING
 
 __all__ = ["EngineConfig", "SamplingParams", "SpeculativeConfig"]
@@ -31,7 +33,7 @@ def _as_tuple(value, kind: type) -> tuple | None:
         return None
 
 
-_SPEC_METHODS = ("ngram",)
+_SPEC_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -41,15 +43,21 @@ class SpeculativeConfig:
     tokens (greedy ones by equality with the argmax, sampled ones by exact rejection sampling).
 
     Attributes:
-        method: ``"ngram"`` (prompt lookup: the tokens after the latest earlier occurrence of the sequence's tail).
+        method: ``"ngram"`` (prompt lookup: the tokens after the latest earlier occurrence of the sequence's tail) or
+            ``"draft"`` (greedy tokens of ``draft_model``).
         num_tokens: most draft tokens a request verifies in one step (1-15).
         max_ngram, min_ngram: tail lengths prompt lookup tries, longest first.
+        draft_model: for ``"draft"``: an HF causal LM with the target's tokenizer (its ids must be ids the target
+            embeds), usually a much smaller one. The engine puts it on llmplug (its own runner and paged KV pool,
+            sized by its own ``optimize`` settings, e.g. ``llmplug.optimize(draft, kv_num_blocks=...)`` beforehand)
+            and keeps one draft state per draft model, whichever configs name it. Compared and hashed by identity.
     """
 
     method: str = "ngram"
     num_tokens: int = 4
     max_ngram: int = 2
     min_ngram: int = 1
+    draft_model: torch.nn.Module | None = None
 
     def __post_init__(self) -> None:
         _check(self.method in _SPEC_METHODS, f"method={self.method!r} is not one of {_SPEC_METHODS}")
@@ -57,6 +65,24 @@ class SpeculativeConfig:
                f"num_tokens={self.num_tokens!r} must be an int in [1, 15]")
         _check(_is_int(self.min_ngram) and _is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram,
                f"need ints 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram!r}, max_ngram={self.max_ngram!r}")
+        if self.method == "draft":
+            _check(self.draft_model is not None, "method='draft' needs draft_model= (an HF causal LM with the model's "
+                                                 "tokenizer)")
+            model = self.draft_model
+            _check(isinstance(model, torch.nn.Module) and hasattr(model, "config")
+                   and callable(getattr(model, "get_output_embeddings", None)),
+                   f"draft_model must be an HF causal LM (a torch.nn.Module with a config and an output embedding), "
+                   f"got {type(model).__name__}")
+        else:
+            _check(self.draft_model is None, f"draft_model is only for method='draft', not method={self.method!r}")
+
+    def __repr__(self) -> str:
+        model = "None" if self.draft_model is None else f"<{type(self.draft_model).__name__}>"
+        return (f"SpeculativeConfig(method={self.method!r}, num_tokens={self.num_tokens}, max_ngram={self.max_ngram}, "
+                f"min_ngram={self.min_ngram}, draft_model={model})")
+
+    def __deepcopy__(self, memo) -> SpeculativeConfig:
+        return self  # immutable; a copy must name the same draft model (the engine keeps one draft state per model)
 
 
 @dataclass(frozen=True)

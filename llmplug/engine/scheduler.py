@@ -60,6 +60,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_release: Callable[[Sequence], None] | None = None  # told of a sequence whose KV goes (draft KV follows)
 
     # ---- queues ----------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -76,6 +77,8 @@ class Scheduler:
                 queue.remove(seq)
         self._drop_kv(seq)
         seq.status = Status.FINISHED
+        if self.on_release is not None:
+            self.on_release(seq)
 
     def retire(self, seq: Sequence) -> None:
         """Schedule nothing more for a running ``seq`` (its last token is in flight); it keeps its blocks until
@@ -179,6 +182,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
         self.num_preemptions += 1
+        if self.on_release is not None:
+            self.on_release(seq)
         plan.preempted.append(seq)
         if seq in plan.seqs:  # planned earlier in this step: unplan it
             i = plan.seqs.index(seq)

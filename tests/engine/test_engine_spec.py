@@ -64,6 +64,22 @@ def test_greedy_equals_solo_runs(which, k):
     assert engine.blocks.num_used == 0
 
 
+def drive_with_aborts(engine, ids: list[str], rng: random.Random, rate: float = 0.05) -> dict:
+    """Step ``engine`` until every request is done, aborting a random live one of ``ids`` after a step with
+    probability ``rate`` -> ``{request id: RequestOutput}``."""
+    done, aborted = {}, set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+        if rng.random() < rate:
+            live = [r for r in ids if r not in done and r not in aborted]
+            if live:
+                victim = rng.choice(live)
+                engine.abort(victim)
+                aborted.add(victim)
+    return done
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_soak_with_preemption_aborts_and_sampled_neighbours(mode):
     """60 requests on a pool too small for them all (preemption), random aborts, sampled and n = 2 requests among
@@ -71,7 +87,6 @@ def test_soak_with_preemption_aborts_and_sampled_neighbours(mode):
     _, model = _models()
     rng = random.Random(0)
     rows = _echo(60, seed=1)
-    solo = {}
     llmplug.optimize(model, kv_num_blocks=24, kv_block_size=8)
     engine = llmplug.Engine(model, EngineConfig(max_num_batched_tokens=48, preemption_mode=mode, swap_space_gb=0.01,
                                                 speculative=SpeculativeConfig()))
@@ -86,26 +101,22 @@ def test_soak_with_preemption_aborts_and_sampled_neighbours(mode):
         ids.append(rid)
         if params.temperature == 0.0:
             greedy[rid] = (prompt, params)
-    done, aborted = {}, set()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            done[out.request_id] = out
-        if rng.random() < 0.05:
-            live = [r for r in ids if r not in done and r not in aborted]
-            if live:
-                victim = rng.choice(live)
-                engine.abort(victim)
-                aborted.add(victim)
+    done = drive_with_aborts(engine, ids, rng)
     assert engine.scheduler.num_preemptions > 0 and engine.stats()["speculation"]["accepted"] > 0
     assert engine.blocks.num_used == 0
     llmplug.unoptimize(model)
+    assert_greedy_equal_solo(model, greedy, done)
+
+
+def assert_greedy_equal_solo(model, greedy: dict, done: dict) -> None:
+    """Every finished (not aborted) greedy request of ``greedy`` (``{id: (prompt, params)}``) equals ``model``'s solo
+    greedy run, and more than 20 were checked."""
     checked = 0
     for rid, (prompt, params) in greedy.items():
         out = done[rid]
         if out.outputs[0].finish_reason == "abort":
             continue
-        solo.setdefault(rid, _solo(model, prompt, params))
-        assert out.outputs[0].token_ids == solo[rid], rid
+        assert out.outputs[0].token_ids == _solo(model, prompt, params), rid
         checked += 1
     assert checked > 20
 

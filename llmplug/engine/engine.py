@@ -429,7 +429,7 @@ class Engine(ServingMixin):
                 text = seq.text if (request.params.stop or request.stream) else \
                     self.tokenizer.decode(seq.known_output, skip_special_tokens=True)
             outs.append(CompletionOutput(seq.index, seq.known_output, text, seq.finish_reason,
-                                         list(seq.token_times)))
+                                         list(seq.token_times), self.speculation.of_sequence(seq)))
         firsts = [s.token_times[0] for s in request.seqs if s.token_times]
         return RequestOutput(request.request_id, list(request.prompt_ids), request.prompt, outs, request.done,
                              request.arrival_time, min(firsts) if firsts else None, request.finish_time,

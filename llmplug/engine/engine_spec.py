@@ -90,6 +90,15 @@ class EngineSpeculation:
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "tokens_per_verified_row": (self.accepted + self.steps) / self.steps if self.steps else 0.0}
 
+    def of_sequence(self, seq: Sequence) -> dict | None:
+        """``seq``'s own speculation (its :class:`CompletionOutput`'s), or None when its request does not speculate."""
+        if self.config_of(seq) is None:
+            return None
+        drafted, accepted, steps = seq.spec_drafted, seq.spec_accepted, seq.spec_steps
+        return {"drafted": drafted, "accepted": accepted, "verified_steps": steps,
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "tokens_per_verified_step": (accepted + steps) / steps if steps else 0.0}
+
     def launch(self, plan: StepPlan, finished: list[RequestOutput]):
         """Run ``plan`` with drafts for its eligible rows; accept them now, sample the other rows as usual (returns
         their pending tokens, or None)."""
@@ -184,6 +193,9 @@ class EngineSpeculation:
             self.drafted += len(d)
             self.accepted += emitted - 1
             self.steps += 1
+            seq.spec_drafted += len(d)
+            seq.spec_accepted += emitted - 1
+            seq.spec_steps += 1
             for pos in range(start, seq.num_tokens):
                 seq.resolved = pos + 1
                 engine.metrics.output_tokens += 1

@@ -42,6 +42,7 @@ class Sequence:
         seed = request.params.seed
         self.seed = None if seed is None else seed + index  # each sample of a seeded request has its own stream
         self.generator: torch.Generator | None = None  # made on the logits' device at the first sample
+        self.spec_drafted = self.spec_accepted = self.spec_steps = 0  # speculation: drafts, accepted, verify steps
 
     @property
     def num_tokens(self) -> int:
@@ -126,13 +127,16 @@ class Request:
 
 @dataclass
 class CompletionOutput:
-    """One sample: ``token_ids`` generated so far, its text (with a tokenizer), why it stopped, token times."""
+    """One sample: ``token_ids`` generated so far, its text (with a tokenizer), why it stopped, token times; for a
+    speculating request, ``speculation``: its ``drafted`` and ``accepted`` drafts, ``verified_steps``, the
+    ``acceptance_rate`` and the ``tokens_per_verified_step`` (None for a request that does not speculate)."""
 
     index: int
     token_ids: list[int]
     text: str | None
     finish_reason: str | None  # "stop" (stop token or string), "length", "abort", "error" or None while running
     token_times: list[float]
+    speculation: dict | None = None
 
 
 @dataclass

@@ -210,11 +210,16 @@ def test_one_request_speculates_beside_others():
     llmplug.optimize(model)
     engine = llmplug.Engine(model)
     spec = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, speculative=SpeculativeConfig())
-    alone = engine.generate(rows[:1], spec, progress=False)[0].outputs[0].token_ids
+    alone = engine.generate(rows[:1], spec, progress=False)[0].outputs[0]
     first = engine.stats()["speculation"]
     engine.reset_stats()
     outs = engine.generate(rows, [spec, GREEDY], progress=False)
-    assert [o.outputs[0].token_ids for o in outs] == stock and alone == stock[0]
+    assert [o.outputs[0].token_ids for o in outs] == stock and alone.token_ids == stock[0]
     assert first["accepted"] > 0 and engine.stats()["speculation"] == first  # the neighbour drafted nothing
+    own = outs[0].outputs[0].speculation  # the request's own counters equal the engine's over this call
+    assert own == alone.speculation and outs[1].outputs[0].speculation is None
+    assert (own["drafted"], own["accepted"], own["verified_steps"]) == (first["drafted"], first["accepted"],
+                                                                         first["verified_rows"])
+    assert own["tokens_per_verified_step"] == first["tokens_per_verified_row"] > 1.5
     with pytest.raises(ValueError, match="speculative=4"):
         SamplingParams(speculative=4)

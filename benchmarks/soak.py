@@ -145,7 +145,9 @@ def _jobs(cfg: SoakConfig, vocab: int, max_len: int) -> list[_Job]:
                                     frequency_penalty=rng.choice((0.0, 0.5)), presence_penalty=rng.choice((0.0, 0.3)),
                                     min_new_tokens=min(rng.choice((0, 2)), new), **common)
         else:
-            spec = SpeculativeConfig(num_tokens=rng.randint(1, 4)) if rng.random() < cfg.spec_rate else None
+            spec = None
+            if rng.random() < cfg.spec_rate:  # half with a fixed draft count (a CPU's estimate turns drafting off)
+                spec = SpeculativeConfig(num_tokens=rng.randint(1, 4), adaptive=rng.random() < 0.5)
             params = SamplingParams(temperature=0.0, n=2 if kind > 1 - cfg.n2_rate else 1, speculative=spec, **common)
         abort = rng.choice((0, rng.randint(1, 4), rng.randint(5, 40))) if rng.random() < cfg.abort_rate else None
         jobs.append(_Job(prompt, params, step, abort, f"soak_{i}"))

@@ -1,16 +1,17 @@
 """The Engine's speculative steps: requests verify drafts (prompt lookup or a draft model) inside continuous batching.
 
 Each step, a running request without penalties whose next token is a decode and that speculates (its
-``SamplingParams.speculative``, else ``EngineConfig.speculative``) gets up to ``num_tokens`` drafts when the pool has
-pages for them without preempting anyone and the step's token budget allows: with ``method="ngram"`` the tokens after
-the latest earlier occurrence of its tail, with ``method="draft"`` the draft model's greedy tokens
+``SamplingParams.speculative``, else ``EngineConfig.speculative``) gets up to ``num_tokens`` drafts (with
+``adaptive``, as many as its own acceptance so far pays for, :class:`~llmplug.spec.adaptive.AdaptiveK`) when the pool
+has pages for them without preempting anyone and the step's token budget allows: with ``method="ngram"`` the tokens
+after the latest earlier occurrence of its tail, with ``method="draft"`` the draft model's greedy tokens
 (:mod:`.engine_draft`: every row of a draft model drafted together, its KV kept in the draft's own pool). The step
-computes the request's last token and the drafts and returns all their logits. A greedy
-request keeps the drafts while they equal the argmax, then the argmax after them (exactly greedy decoding's tokens); a
-sampled one verifies them by exact rejection sampling against the sampler's distribution (temperature, top-k/p,
-min-p; its own generator when seeded), so its tokens follow the same distribution. Rejected drafts are not
-counted as computed and their pages past the new end go back to the pool; they were never registered in the prefix
-cache (only known tokens are). Other rows of the step (prefill chunks, penalised requests) run as usual.
+computes the request's last token and the drafts and returns all their logits. A greedy request keeps the drafts while
+they equal the argmax, then the argmax after them (exactly greedy decoding's tokens); a sampled one verifies them by
+exact rejection sampling against the sampler's distribution (temperature, top-k/p, min-p; its own generator when
+seeded), so its tokens follow the same distribution. Rejected drafts are not counted as computed and their pages past
+the new end go back to the pool; they were never registered in the prefix cache (only known tokens are). Other rows of
+the step (prefill chunks, penalised requests) run as usual.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 
 import torch
 
+from ..spec.adaptive import RIDGE_TOKENS, AdaptiveK
 from ..spec.draft import check_draft_model
 from ..spec.ngram import propose_ngram
 from ..spec.rejection import greedy_accept, rejection_sample
@@ -129,12 +131,13 @@ class EngineSpeculation:
         budget = engine.config.max_num_batched_tokens - plan.num_tokens
         out = []
         wants: dict[EngineDrafter, list[tuple[int, int]]] = {}  # per draft model: (row, pages taken for its drafts)
+        decoding = sum(n == 1 and s.num_computed == s.num_tokens - 1 for s, n in zip(plan.seqs, plan.num_new))
         for i, (seq, n) in enumerate(zip(plan.seqs, plan.num_new)):
             d: list[int] = []
             p, cfg = seq.request.params, self.config_of(seq)
             if (cfg is not None and budget > 0 and n == 1 and seq.num_computed == seq.num_tokens - 1
                     and seq.resolved == seq.num_tokens and _unpenalised(seq) and len(seq.request.seqs) == p.n):
-                k = min(cfg.num_tokens, budget, p.max_new_tokens - seq.num_output - 1,
+                k = min(self._draft_count(seq, cfg, decoding), budget, p.max_new_tokens - seq.num_output - 1,
                         engine.runner.max_model_len - seq.num_tokens - 1)
                 if k > 0:  # a draft model's k tokens are drafted below, all its rows at once
                     d = propose_ngram(torch.tensor(seq.tokens), k, cfg.max_ngram, cfg.min_ngram).tolist() \
@@ -158,6 +161,22 @@ class EngineSpeculation:
                     blocks.free(seq.blocks[-taken:])
                     del seq.blocks[-taken:]
         return out
+
+    def _draft_count(self, seq: Sequence, cfg: SpeculativeConfig, rows: int) -> int:
+        """Drafts ``seq`` asks for in a step of ``rows`` decoding rows: ``cfg.num_tokens``, or with ``cfg.adaptive``
+        its own :class:`~llmplug.spec.adaptive.AdaptiveK`'s choice from its acceptance so far (0 turns its drafts off
+        for ``probe_every`` steps, then it probes)."""
+        if not cfg.adaptive:
+            return cfg.num_tokens
+        if seq.spec_skip:
+            seq.spec_skip -= 1
+            return 0
+        if seq.spec_policy is None:
+            seq.spec_policy = AdaptiveK(cfg.num_tokens, RIDGE_TOKENS.get(self.engine.runner.device.type, 4.0))
+        k = seq.spec_policy.choose(rows)
+        if k == 0:
+            seq.spec_skip = seq.spec_policy.probe_every - 1
+        return k
 
     def _accept(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor, starts: list[int],
                 finished: list[RequestOutput]) -> None:
@@ -196,6 +215,8 @@ class EngineSpeculation:
             seq.spec_drafted += len(d)
             seq.spec_accepted += emitted - 1
             seq.spec_steps += 1
+            if seq.spec_policy is not None:
+                seq.spec_policy.record(len(d), emitted - 1)
             for pos in range(start, seq.num_tokens):
                 seq.resolved = pos + 1
                 engine.metrics.output_tokens += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import EosTokenCriteria, MaxLengthCriteria
 
-from ..spec.adaptive import AdaptiveK
+from ..spec.adaptive import RIDGE_TOKENS, AdaptiveK
 from ..spec.decode import speculative_decode
 from ..spec.draft import check_draft_model
 from ..spec.proposers import DraftModelProposer, NgramProposer
@@ -18,10 +18,6 @@ from ..state import ensure_state
 from .late_stops import LateStops, host_criteria
 from .runner import MAX_GRAPH_QUERY
 from .sequences import SequenceBatch
-
-# NOTE: tokens at which a step's matmuls catch up with its weight read (bf16 FLOP rate / read bandwidth, ~230 on an
-# H100); a CPU is compute-bound at once. See llmplug/spec/adaptive.py.
-RIDGE_TOKENS = {"cuda": 256.0, "cpu": 4.0}
 
 
 def _is_proposer(obj) -> bool:

@@ -46,6 +46,9 @@ class SpeculativeConfig:
         method: ``"ngram"`` (prompt lookup: the tokens after the latest earlier occurrence of the sequence's tail) or
             ``"draft"`` (greedy tokens of ``draft_model``).
         num_tokens: most draft tokens a request verifies in one step (1-15).
+        adaptive: each request's draft count follows its own measured acceptance and the step's decoding rows
+            (:class:`~llmplug.spec.adaptive.AdaptiveK`'s weight-bound estimate), down to none for blocks of 16 steps
+            with a probe after each; False: always ``num_tokens`` (where the pages and the step's budget allow).
         max_ngram, min_ngram: tail lengths prompt lookup tries, longest first.
         draft_model: for ``"draft"``: an HF causal LM with the target's tokenizer (its ids must be ids the target
             embeds), usually a much smaller one. The engine puts it on llmplug (its own runner and paged KV pool,
@@ -55,6 +58,7 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_tokens: int = 4
+    adaptive: bool = True
     max_ngram: int = 2
     min_ngram: int = 1
     draft_model: torch.nn.Module | None = None
@@ -63,6 +67,7 @@ class SpeculativeConfig:
         _check(self.method in _SPEC_METHODS, f"method={self.method!r} is not one of {_SPEC_METHODS}")
         _check(_is_int(self.num_tokens) and 1 <= self.num_tokens <= 15,
                f"num_tokens={self.num_tokens!r} must be an int in [1, 15]")
+        _check(isinstance(self.adaptive, bool), f"adaptive={self.adaptive!r} must be True or False")
         _check(_is_int(self.min_ngram) and _is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram,
                f"need ints 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram!r}, max_ngram={self.max_ngram!r}")
         if self.method == "draft":
@@ -78,8 +83,8 @@ class SpeculativeConfig:
 
     def __repr__(self) -> str:
         model = "None" if self.draft_model is None else f"<{type(self.draft_model).__name__}>"
-        return (f"SpeculativeConfig(method={self.method!r}, num_tokens={self.num_tokens}, max_ngram={self.max_ngram}, "
-                f"min_ngram={self.min_ngram}, draft_model={model})")
+        return (f"SpeculativeConfig(method={self.method!r}, num_tokens={self.num_tokens}, adaptive={self.adaptive}, "
+                f"max_ngram={self.max_ngram}, min_ngram={self.min_ngram}, draft_model={model})")
 
     def __deepcopy__(self, memo) -> SpeculativeConfig:
         return self  # immutable; a copy must name the same draft model (the engine keeps one draft state per model)

@@ -43,6 +43,8 @@ class Sequence:
         self.seed = None if seed is None else seed + index  # each sample of a seeded request has its own stream
         self.generator: torch.Generator | None = None  # made on the logits' device at the first sample
         self.spec_drafted = self.spec_accepted = self.spec_steps = 0  # speculation: drafts, accepted, verify steps
+        self.spec_policy = None  # its AdaptiveK while it speculates adaptively
+        self.spec_skip = 0  # steps left without drafts (speculation off for a block)
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,10 @@ pays little for looking.
 
 from __future__ import annotations
 
+# NOTE: tokens at which a step's matmuls catch up with its weight read (bf16 FLOP rate / read bandwidth, ~230 on an
+# H100); a CPU is compute-bound at once. The estimate before a shape's cost is measured.
+RIDGE_TOKENS = {"cuda": 256.0, "cpu": 4.0}
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens a verify step of ``k`` drafts emits on average at per-draft acceptance ``alpha``."""

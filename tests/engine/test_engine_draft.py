@@ -11,6 +11,7 @@ import torch
 
 import llmplug
 from llmplug.engine.params import EngineConfig, SamplingParams, SpeculativeConfig
+from llmplug.spec.adaptive import RIDGE_TOKENS
 from llmplug.state import state_of
 from tests.engine.test_engine_spec import assert_greedy_equal_solo, drive_with_aborts
 from tests.tiny_models import make_model, prompts, reference_kernels
@@ -19,7 +20,8 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(autouse=True)
-def _references():
+def _references(monkeypatch):
+    monkeypatch.setitem(RIDGE_TOKENS, "cpu", 1e9)  # the adaptive draft count as on a GPU (a CPU is compute-bound)
     with reference_kernels():
         yield
 
@@ -146,7 +148,8 @@ def test_sampled_requests_verify_greedy_drafts():
     model = _target()
     draft = copy.deepcopy(model)
     llmplug.optimize(model)
-    engine = llmplug.Engine(model, EngineConfig(speculative=SpeculativeConfig(method="draft", draft_model=draft)))
+    spec = SpeculativeConfig(method="draft", draft_model=draft, adaptive=False)  # drafts every step, accepted or not
+    engine = llmplug.Engine(model, EngineConfig(speculative=spec))
     params = SamplingParams(max_new_tokens=16, temperature=0.5, seed=3, n=2, ignore_eos=True)
     first = engine.generate(_rows(3), params, progress=False)
     again = engine.generate(_rows(3), params, progress=False)

@@ -9,6 +9,7 @@ import torch
 
 import llmplug
 from llmplug.engine.params import EngineConfig, SamplingParams, SpeculativeConfig
+from llmplug.spec.adaptive import RIDGE_TOKENS
 from tests.stats import chi_square_p, pair_counts
 from tests.tiny_models import make_model, prompts, reference_kernels
 
@@ -17,7 +18,8 @@ TEMPERATURE = 4.0  # the copying model's logits are far apart: this spreads its 
 
 
 @pytest.fixture(autouse=True)
-def _references():
+def _references(monkeypatch):
+    monkeypatch.setitem(RIDGE_TOKENS, "cpu", 1e9)  # the adaptive draft count as on a GPU (a CPU is compute-bound)
     with reference_kernels():
         yield
 
@@ -128,6 +130,8 @@ def test_bad_speculative_config():
         SpeculativeConfig(num_tokens=0)
     with pytest.raises(ValueError, match="speculative="):
         EngineConfig(speculative={"num_tokens": 4})
+    with pytest.raises(ValueError, match="adaptive=1"):
+        SpeculativeConfig(adaptive=1)
 
 
 @pytest.mark.parametrize("biased", [False, True])
@@ -223,3 +227,36 @@ def test_one_request_speculates_beside_others():
     assert own["tokens_per_verified_step"] == first["tokens_per_verified_row"] > 1.5
     with pytest.raises(ValueError, match="speculative=4"):
         SamplingParams(speculative=4)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_adaptive_draft_count_follows_acceptance(which):
+    """With ``adaptive`` (the default) each request's draft count follows its own acceptance: a random model accepts
+    next to nothing, so its requests stop drafting (a probe now and then) and draft far less than with a fixed count;
+    the copying model accepts, so its requests keep drafting. Outputs equal the solo runs either way."""
+    model = _models()[which]
+    stock = [_solo(model, p, GREEDY) for p in _echo(6)]
+    llmplug.optimize(model)
+    drafted = {}
+    for adaptive in (False, True):
+        engine = llmplug.Engine(model, EngineConfig(speculative=SpeculativeConfig(adaptive=adaptive)))
+        outs = engine.generate(_echo(6), GREEDY, progress=False)
+        assert [o.outputs[0].token_ids for o in outs] == stock
+        drafted[adaptive] = engine.stats()["speculation"]["drafted"]
+        engine.stop()
+    if which == 0:
+        assert 0 < drafted[True] < drafted[False] / 2
+    else:
+        assert drafted[True] > 0.8 * drafted[False]
+
+
+def test_adaptive_draft_count_on_a_cpu(monkeypatch):
+    """On a CPU's own estimate (compute-bound from a few tokens) six decoding rows are not worth drafting for."""
+    monkeypatch.setitem(RIDGE_TOKENS, "cpu", 4.0)
+    _, model = _models()
+    llmplug.optimize(model)
+    engine = llmplug.Engine(model, EngineConfig(speculative=SpeculativeConfig()))
+    engine.generate(_echo(6), GREEDY, progress=False)
+    fixed = llmplug.Engine(model, EngineConfig(speculative=SpeculativeConfig(adaptive=False)))
+    fixed.generate(_echo(6), GREEDY, progress=False)
+    assert engine.stats()["speculation"]["drafted"] < fixed.stats()["speculation"]["drafted"] / 2

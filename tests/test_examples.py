@@ -11,6 +11,9 @@ from llmplug.bench.sample import MODEL_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 
+SPECULATIVE = [f"{how}: equal to plain greedy: True" for how in (
+    "generate, prompt lookup", "generate, draft model", "generate, EAGLE-3 head", "Engine, draft model",
+    "generate_batch, prompt lookup")]
 EXPECTED = {
     "generate.py": ["outputs equal: True", "stock generate:", "llmplug generate:"],
     "pipeline_chat.py": ["assistant (assistant):", "same reply as stock pipeline: True"],
@@ -42,3 +45,17 @@ def test_pipeline_chat_on_the_shipped_model():
     out = _run("pipeline_chat.py", "--model", f"models/{MODEL_NAME}")
     assert f"(models/{MODEL_NAME} has no chat template: using a minimal one)" in out
     assert "same reply as stock pipeline: True" in out
+
+
+@pytest.mark.skipif(not (ROOT / "models" / "llmplug-stdlib-small-eagle3").is_dir(),
+                    reason="models/ is not in this checkout")
+def test_speculative_on_the_shipped_models():
+    """Every way of drafting gives plain greedy decoding's tokens on the shipped models (fp32 CPU), and the draft model
+    and the head get drafts accepted."""
+    out = _run("speculative.py", "--max-new-tokens", "24")
+    for text in SPECULATIVE:
+        assert text in out, f"{text!r} not in stdout:\n{out}"
+    for label in ("draft model", "EAGLE-3 head"):
+        line = next(x for x in out.splitlines() if x.startswith(f"generate, {label}:"))
+        accepted = int(line.split("; ")[1].split(" of ")[0])
+        assert accepted > 0, line

@@ -2,14 +2,15 @@
 preemptions, ~10% aborted at random moments, every request checked against its output when run alone.
 
 Each request has a random prompt (some share a prefix, for prefix-cache hits), a random ``max_new_tokens``, and is
-greedy (most; some with ``n=2``, some with penalties and ``min_new_tokens``, some speculating with prompt lookup) or
-sampled with a seed; some stop at eos or at a few stop token ids. Requests arrive a few per step; an aborted request
-is aborted before it starts, mid-prefill or mid-decode. After every step the block accounting is checked (held blocks
-= blocks of unfinished sequences, swap slots = slots of swapped ones); at the end every block must be back. A request
-that finished is compared with the same prompt and parameters run through an idle engine with a big pool
-(``--reference batched``: all at once, no preemption; a mismatch is re-checked alone before it counts), alone one by
-one (``--reference alone``) or, for greedy requests without OpenAI-style penalties, with stock HF ``generate`` at
-batch 1 (``--reference hf``). An aborted request's tokens must be a prefix of its reference.
+greedy (most; some with ``n=2``, some with penalties and ``min_new_tokens``, some speculating with prompt lookup or a
+draft model, the model's first layer, whose own small pool must end empty too) or sampled with a seed; some stop at
+eos or at a few stop token ids. Requests arrive a few per step; an aborted request is aborted before it starts,
+mid-prefill or mid-decode. After every step the block accounting is checked (held blocks = blocks of unfinished
+sequences, swap slots = slots of swapped ones); at the end every block must be back. A request that finished is
+compared with the same prompt and parameters run through an idle engine with a big pool (``--reference batched``: all
+at once, no preemption; a mismatch is re-checked alone before it counts), alone one by one (``--reference alone``) or,
+for greedy requests without OpenAI-style penalties, with stock HF ``generate`` at batch 1 (``--reference hf``). An
+aborted request's tokens must be a prefix of its reference.
 
 Usage: python benchmarks/soak.py [--requests 5000] [--mode recompute|swap|both] [--device cpu|cuda] [--seed 0]
 
@@ -64,7 +65,8 @@ class SoakConfig:
     penalty_rate: float = 0.1
     n2_rate: float = 0.05
     greedy_ring: int = 16  # EngineConfig.greedy_ring (off by default in the Engine; the soak exercises it)
-    spec_rate: float = 0.25  # share of plain greedy requests that speculate (prompt lookup, 1-4 drafts)
+    spec_rate: float = 0.25  # share of plain greedy requests that speculate (1-4 drafts)
+    draft_rate: float = 0.5  # share of those that draft with a draft model (the model's first layer), not prompt lookup
     eos_rate: float = 0.2
     stop_rate: float = 0.2
     priorities: int = 3
@@ -122,7 +124,7 @@ class _Job:
     rid: str = ""
 
 
-def _jobs(cfg: SoakConfig, vocab: int, max_len: int) -> list[_Job]:
+def _jobs(cfg: SoakConfig, vocab: int, max_len: int, draft: torch.nn.Module | None = None) -> list[_Job]:
     rng = random.Random(cfg.seed)
     prefixes = [[rng.randrange(3, vocab) for _ in range(rng.choice((8, 16, 24)))] for _ in range(4)]
     jobs, step = [], 0
@@ -147,7 +149,9 @@ def _jobs(cfg: SoakConfig, vocab: int, max_len: int) -> list[_Job]:
         else:
             spec = None
             if rng.random() < cfg.spec_rate:  # half with a fixed draft count (a CPU's estimate turns drafting off)
-                spec = SpeculativeConfig(num_tokens=rng.randint(1, 4), adaptive=rng.random() < 0.5)
+                how = dict(method="draft", draft_model=draft) if draft is not None and rng.random() < cfg.draft_rate \
+                    else {}
+                spec = SpeculativeConfig(num_tokens=rng.randint(1, 4), adaptive=rng.random() < 0.5, **how)
             params = SamplingParams(temperature=0.0, n=2 if kind > 1 - cfg.n2_rate else 1, speculative=spec, **common)
         abort = rng.choice((0, rng.randint(1, 4), rng.randint(5, 40))) if rng.random() < cfg.abort_rate else None
         jobs.append(_Job(prompt, params, step, abort, f"soak_{i}"))
@@ -165,6 +169,16 @@ def _engine(stock: torch.nn.Module, num_blocks: int, cfg: SoakConfig, **override
         cache = state_of(fast).runner.ensure_cache()
         engine_cfg["swap_space_gb"] = cfg.swap_blocks * cache.block_bytes / 1e9
     return Engine(fast, EngineConfig(**engine_cfg))
+
+
+def _draft_model(stock: torch.nn.Module, cfg: SoakConfig) -> torch.nn.Module:
+    """The stock model's first layer alone (its other weights shared), on llmplug with a pool as small as the target's:
+    it agrees with the model sometimes, and its pool runs short, so rows go without drafts."""
+    draft = make_model(cfg.family, num_hidden_layers=1).to(stock.device)
+    own = draft.state_dict()
+    draft.load_state_dict({k: v for k, v in stock.state_dict().items() if k in own and own[k].shape == v.shape},
+                          strict=False)
+    return llmplug.optimize(draft, kv_num_blocks=cfg.num_blocks, kv_block_size=cfg.block_size)
 
 
 def _check_accounting(engine: Engine) -> str | None:
@@ -202,7 +216,8 @@ def run_soak(cfg: SoakConfig, stall_steps: int = 500) -> SoakReport:
     stock.generation_config.eos_token_id = None
     vocab = stock.get_output_embeddings().weight.shape[0]
     max_len = min(256, stock.config.max_position_embeddings)
-    jobs = _jobs(cfg, vocab, max_len)
+    draft = _draft_model(stock, cfg) if cfg.spec_rate and cfg.draft_rate else None
+    jobs = _jobs(cfg, vocab, max_len, draft)
     ctx = cpu_kernels(False) if device.type == "cpu" else contextlib.nullcontext()
     with ctx:
         engine = _engine(stock, cfg.num_blocks, cfg)
@@ -218,6 +233,9 @@ def run_soak(cfg: SoakConfig, stall_steps: int = 500) -> SoakReport:
                                 f"{engine.blocks.num_free} of {engine.blocks.num_total}")
         if engine.has_unfinished_requests():
             report.leaks.append(f"{len(engine._requests)} requests never finished")
+        draft_pool = state_of(draft).runner.cache if draft is not None else None
+        if draft_pool is not None and draft_pool.blocks.num_used:
+            report.leaks.append(f"the draft model's pool holds {draft_pool.blocks.num_used} blocks after the run")
         t0 = time.perf_counter()
         _compare(stock, jobs, outputs, cfg, report)
         report.reference_s = time.perf_counter() - t0
@@ -345,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arrival", type=float, default=SoakConfig.arrival,
                     help="requests arriving per step on average (low rates leave the running batch alone, so the "
                          "greedy ring runs)")
+    ap.add_argument("--draft-rate", type=float, default=SoakConfig.draft_rate,
+                    help="share of speculating requests that draft with a draft model instead of prompt lookup")
     ap.add_argument("--greedy-ring", type=int, default=SoakConfig.greedy_ring, help="EngineConfig.greedy_ring")
     ap.add_argument("--sampled-rate", type=float, default=SoakConfig.sampled_rate, help="share of sampled requests")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls: 1 is fastest)")
@@ -357,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                          reference=args.reference, family=args.family, num_blocks=args.num_blocks,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                          watermark=args.watermark, policy=args.policy, abort_rate=args.abort_rate,
-                         penalty_rate=args.penalty_rate, spec_rate=args.spec_rate, arrival=args.arrival,
-                         sampled_rate=args.sampled_rate, greedy_ring=args.greedy_ring)
+                         penalty_rate=args.penalty_rate, spec_rate=args.spec_rate, draft_rate=args.draft_rate,
+                         arrival=args.arrival, sampled_rate=args.sampled_rate, greedy_ring=args.greedy_ring)
         report = run_soak(cfg)
         print(report.summary(), flush=True)
         ok &= report.ok and report.preemptions > 0

@@ -112,12 +112,12 @@ class ContinuousBatchingManager:
     iteration or :meth:`register_result_handler`. Cancelled requests produce no output, as in HF.
     """
 
-    def __init__(self, model: torch.nn.Module, generation_config: GenerationConfig) -> None:
+    def __init__(self, model: torch.nn.Module, generation_config: GenerationConfig, assistant_model=None) -> None:
         self.model = model
         self.generation_config = generation_config
         self.num_return_sequences = int(generation_config.num_return_sequences or 1)
         self.warmed_up = False
-        self._fields = sampling_fields(generation_config)
+        self._fields = sampling_fields(generation_config, assistant_model)
         self._engine = engine_of(model)
         self._prefix = f"hf{next(_managers)}/"  # engine ids of this manager's requests
         self._cond = threading.Condition()
@@ -383,13 +383,15 @@ class ContinuousBatchingManager:
 
 # ---- the model's methods ---------------------------------------------------------------------------------------------
 def init_continuous_batching(model, generation_config: GenerationConfig | None = None,
-                             continuous_batching_config=None, workload_hints=None) -> ContinuousBatchingManager:
+                             continuous_batching_config=None, workload_hints=None,
+                             assistant_model=None) -> ContinuousBatchingManager:
     """HF's ``init_continuous_batching`` on llmplug; ``continuous_batching_config`` and ``workload_hints`` are ignored
-    (the engine is sized by ``llmplug.optimize``)."""
+    (the engine is sized by ``llmplug.optimize``). llmplug's own ``assistant_model``: the manager's requests speculate
+    with that draft model (``generation_config.num_assistant_tokens`` drafts a step)."""
     config = generation_config if generation_config is not None else model.generation_config
     if config is None:
         raise ValueError("A GenerationConfig must be provided or set in the model.")
-    return ContinuousBatchingManager(model, config)
+    return ContinuousBatchingManager(model, config, assistant_model)
 
 
 @contextlib.contextmanager
@@ -415,15 +417,16 @@ def generate_batch(model, inputs: list[list[int]], generation_config: Generation
 
     Returns:
         ``{request_id: GenerationOutput}`` in input order (``req_0``, ``req_1``, ...), each request's
-        ``num_return_sequences - 1`` children (``req_<k>__child#<i>``) right before it. ``max_new_tokens`` is the one
-        keyword read from ``kwargs``; other keywords (HF-only knobs) are ignored, as HF does.
+        ``num_return_sequences - 1`` children (``req_<k>__child#<i>``) right before it. ``max_new_tokens`` and
+        ``assistant_model`` (llmplug's: a draft model every request speculates with) are the keywords read from
+        ``kwargs``; other keywords (HF-only knobs) are ignored, as HF does.
     """
     if not inputs:
         return {}
     config = generation_config if generation_config is not None else model.generation_config
     n = int(config.num_return_sequences or 1)
     total = len(inputs) * n
-    manager = init_continuous_batching(model, generation_config)
+    manager = init_continuous_batching(model, generation_config, assistant_model=kwargs.get("assistant_model"))
     results: dict[str, GenerationOutput] = {}
     ids: list[str] = []
     done = False

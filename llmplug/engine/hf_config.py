@@ -2,14 +2,15 @@
 
 The config's own values count (no global defaults merged in); ``do_sample`` unset is greedy; options the engine cannot
 apply raise, naming them; ``num_beams > 1`` warns and is ignored, as HF does. ``prompt_lookup_num_tokens`` (with
-``max_matching_ngram_size``) makes every request speculate with prompt lookup (stock HF's continuous batching ignores
-it).
+``max_matching_ngram_size``) makes every request speculate with prompt lookup, an ``assistant_model`` with that draft
+model (stock HF's continuous batching ignores both).
 """
 
 from __future__ import annotations
 
 import warnings
 
+import torch
 from transformers import GenerationConfig
 
 from .params import SamplingParams, SpeculativeConfig
@@ -34,8 +35,9 @@ def _is_neutral(value, neutral: tuple) -> bool:
     return any(value == v for v in neutral)
 
 
-def sampling_fields(config: GenerationConfig) -> dict:
-    """The :class:`SamplingParams` fields ``config`` fixes for every request (validated now)."""
+def sampling_fields(config: GenerationConfig, assistant_model=None) -> dict:
+    """The :class:`SamplingParams` fields ``config`` fixes for every request (validated now); ``assistant_model`` (an
+    HF causal LM with the model's tokenizer) makes them speculate with it, ``num_assistant_tokens`` drafts a step."""
     bad = [f"{name}={getattr(config, name)!r}" for name, neutral in _UNSUPPORTED.items()
            if not _is_neutral(getattr(config, name, None), neutral)]
     if bad:
@@ -51,7 +53,13 @@ def sampling_fields(config: GenerationConfig) -> dict:
         fields.update(temperature=1.0 if config.temperature is None else float(config.temperature),
                       top_k=int(config.top_k or 0), top_p=1.0 if config.top_p is None else float(config.top_p),
                       min_p=float(config.min_p or 0.0))
-    if config.prompt_lookup_num_tokens is not None:
+    if assistant_model is not None:
+        if not isinstance(assistant_model, torch.nn.Module):
+            raise TypeError(f"assistant_model must be an HF causal LM in continuous batching (the Engine drafts with "
+                            f"draft models and prompt lookup), got {type(assistant_model).__name__}")
+        fields["speculative"] = SpeculativeConfig(method="draft", draft_model=assistant_model,
+                                                  num_tokens=min(int(config.num_assistant_tokens or 4), 15))
+    elif config.prompt_lookup_num_tokens is not None:
         fields["speculative"] = SpeculativeConfig(num_tokens=min(int(config.prompt_lookup_num_tokens), 15),
                                                   max_ngram=int(config.max_matching_ngram_size or 2))
     SamplingParams(max_new_tokens=1, **fields)

@@ -223,3 +223,23 @@ def test_catch_up_keeps_the_shared_prefix():
     row.num_computed, row.tokens = 9, [5, 6, 7, 8, 4, 1, 2, 3, 9, 1]  # fed 9 and draft 1 (2 not fed)
     catch_up(row, [5, 6, 7, 8, 4, 1, 2, 3, 9, 1])  # a step without drafts emitted 1: all has KV, the last is fed again
     assert (row.tokens, row.num_computed) == ([5, 6, 7, 8, 4, 1, 2, 3, 9, 1], 9)
+
+
+def test_generate_batch_with_an_assistant_model():
+    """``generate_batch(..., assistant_model=draft)`` speculates with the draft model (stock HF's ignores it): every
+    greedy output equals stock's alone; a proposer object is refused with a clear error."""
+    from transformers import GenerationConfig
+
+    model = _target()
+    rows = _rows(5)
+    stock = [_solo(model, p, GREEDY) for p in rows]
+    _, small = _drafts(model)
+    llmplug.optimize(model)
+    config = GenerationConfig(max_new_tokens=GREEDY.max_new_tokens, do_sample=False, eos_token_id=None,
+                              num_assistant_tokens=3)
+    res = model.generate_batch(rows, config, assistant_model=small)
+    assert [res[f"req_{i}"].generated_tokens for i in range(len(rows))] == stock
+    engine = state_of(model).engine
+    assert engine.stats()["speculation"]["accepted"] > 0 and _draft_pool(small).num_used == 0
+    with pytest.raises(TypeError, match="assistant_model must be an HF causal LM"):
+        model.generate_batch(rows, config, assistant_model=object())

@@ -29,6 +29,7 @@ from ..state import ensure_state
 from .engine_draft import EngineDrafter
 from .params import SpeculativeConfig
 from .request import RequestOutput, Sequence, Status
+from .runner import MAX_GRAPH_QUERY
 from .sampler import generator_of, sampling_probs
 from .scheduler import StepPlan
 
@@ -106,18 +107,19 @@ class EngineSpeculation:
         their pending tokens, or None)."""
         engine = self.engine
         drafts = self._propose(plan)
-        for seq, d in zip(plan.seqs, drafts):
-            seq.tokens.extend(d)
-        plan.num_new = [n + len(d) for n, d in zip(plan.num_new, drafts)]
+        fill = self._fill(plan, drafts)
+        for seq, d, f in zip(plan.seqs, drafts, fill):
+            seq.tokens.extend(d + d[-1:] * f)  # fillers: verified like drafts, never accepted
+        plan.num_new = [n + len(d) + f for n, d, f in zip(plan.num_new, drafts, fill)]
         ends = [s.num_computed + n == s.num_tokens for s, n in zip(plan.seqs, plan.num_new)]
-        counts = [(1 + len(d)) if end else 0 for d, end in zip(drafts, ends)]
+        counts = [(1 + len(d) + f) if end else 0 for d, f, end in zip(drafts, fill, ends)]
         logits, rows = engine._execute(plan, num_logits=counts)
         engine._advance(plan)
         starts = list(itertools.accumulate(counts, initial=0))
         verified = [i for i in rows if drafts[i]]
         if verified:
             self._accept([plan.seqs[i] for i in verified], [drafts[i] for i in verified], logits,
-                         [starts[i] for i in verified], finished)
+                         [starts[i] for i in verified], finished, [fill[i] for i in verified])
         sampled = [i for i in rows if not drafts[i]]
         if not sampled:
             return None
@@ -178,8 +180,32 @@ class EngineSpeculation:
             seq.spec_skip = seq.spec_policy.probe_every - 1
         return k
 
+    def _fill(self, plan: StepPlan, drafts: list[list[int]]) -> list[int]:
+        """Filler tokens each row verifies after its drafts, so that a step of one-token rows that all draft is uniform
+        (every row ``1 + max(drafts)`` tokens) and replays the runner's CUDA graph of (rows bucket, that length)
+        instead of running eagerly; zeros where the step would not replay one (other rows, no graphs) or the pool has
+        no pages for the fillers."""
+        engine = self.engine
+        rows = len(plan.seqs)
+        if not all(drafts) or any(n != 1 for n in plan.num_new) or not self._graphed(rows):
+            return [0] * rows
+        k = max(map(len, drafts))
+        fill = [k - len(d) for d in drafts]
+        size, blocks = engine.block_size, engine.blocks
+        need = [max(0, -(-(s.num_tokens + k) // size) - len(s.blocks)) for s in plan.seqs]
+        if k + 1 > MAX_GRAPH_QUERY or sum(need) > blocks.num_free:
+            return [0] * rows
+        for seq, n in zip(plan.seqs, need):
+            if n:
+                seq.blocks.extend(blocks.allocate(n))
+        return fill
+
+    def _graphed(self, rows: int) -> bool:
+        """Whether a uniform step of ``rows`` rows replays a CUDA graph here."""
+        return self.engine.runner.graph_bucket(rows) is not None
+
     def _accept(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor, starts: list[int],
-                finished: list[RequestOutput]) -> None:
+                finished: list[RequestOutput], fill: list[int]) -> None:
         """Verify every row's drafts at once (row ``i``'s last token and drafts have ``logits[starts[i]:][:1 + k_i]``)
         and read the result once; keep what the target agrees with (:meth:`Sequence.rollback` drops the rest), then
         the target's own next token, with stop checks token by token."""
@@ -204,10 +230,10 @@ class EngineSpeculation:
                                                    generators=[generator_of(seqs[i], dev) for i in group])
             out[rows] = torch.cat([tokens, emitted[:, None]], dim=1)
         now = time.perf_counter()
-        for seq, d, row in zip(seqs, drafts, out.tolist()):  # one read of the device
+        for seq, d, f, row in zip(seqs, drafts, fill, out.tolist()):  # one read of the device
             emitted = row[-1]
-            start = seq.num_tokens - len(d)
-            seq.rollback(len(d) - (emitted - 1), engine.blocks)  # the rejected drafts; the accepted ones have KV
+            start = seq.num_tokens - len(d) - f
+            seq.rollback(len(d) + f - (emitted - 1), engine.blocks)  # rejected drafts and fillers; accepted ones stay
             seq.tokens.append(row[emitted - 1])
             self.drafted += len(d)
             self.accepted += emitted - 1

@@ -260,3 +260,31 @@ def test_adaptive_draft_count_on_a_cpu(monkeypatch):
     fixed = llmplug.Engine(model, EngineConfig(speculative=SpeculativeConfig(adaptive=False)))
     fixed.generate(_echo(6), GREEDY, progress=False)
     assert engine.stats()["speculation"]["drafted"] < fixed.stats()["speculation"]["drafted"] / 2
+
+
+def test_fillers_make_all_drafting_steps_uniform(monkeypatch):
+    """Where graphs replay (forced here on the CPU), a step whose rows all draft pads the shorter drafts with filler
+    tokens so every row verifies the same count (a uniform step, one CUDA graph): fillers are never accepted, their
+    pages go back, and every greedy output still equals its solo run. A copy of the model as the draft model drafts 4
+    tokens a step until a row nears its own max_new_tokens, where it drafts fewer than its neighbours."""
+    import copy
+
+    from llmplug.engine import engine_spec
+
+    monkeypatch.setattr(engine_spec.EngineSpeculation, "_graphed", lambda self, rows: True)
+    filled = []
+    fill = engine_spec.EngineSpeculation._fill
+    monkeypatch.setattr(engine_spec.EngineSpeculation, "_fill",
+                        lambda self, plan, drafts: filled.append(fill(self, plan, drafts)) or filled[-1])
+    _, model = _models()
+    rows = _echo(6)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 13, 18, 22, 24, 11)]
+    stock = [_solo(model, p, sp) for p, sp in zip(rows, params)]
+    draft = copy.deepcopy(model)
+    llmplug.optimize(model)
+    spec = SpeculativeConfig(method="draft", draft_model=draft, adaptive=False)
+    engine = llmplug.Engine(model, EngineConfig(speculative=spec))
+    outs = engine.generate(rows, params, progress=False)
+    assert [o.outputs[0].token_ids for o in outs] == stock
+    assert any(sum(f) > 0 for f in filled)  # some steps padded shorter drafts
+    assert engine.blocks.num_used == 0

@@ -143,7 +143,8 @@ def test_throughput_options_reach_the_full_parser(capsys):
 
 def test_bench_speculative_on_cpu(tmp_path, capsys):
     """``llmplug bench speculative``: plain, prompt lookup, the trained draft model and the trained EAGLE-3 head on
-    input-grounded prompts, the speculative outputs identical to plain decoding in fp32."""
+    input-grounded prompts in ``generate``, then the Engine's plain, prompt-lookup and draft-model rows; every
+    speculative output identical to plain decoding in fp32."""
     out = tmp_path / "spec.json"
     assert cli.main(["bench", "--new-tokens", "6", "--out", str(out), "speculative", "--batches", "1", "2",
                      "--prompts", "2"]) == 0
@@ -154,4 +155,6 @@ def test_bench_speculative_on_cpu(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["proposer"]) for r in rows] == [(b, p) for b in (1, 2) for p in
                                                            ("none", "prompt lookup", "llmplug-stdlib-draft",
-                                                            "llmplug-stdlib-small-eagle3")]
+                                                            "llmplug-stdlib-small-eagle3")] + \
+        [(b, p) for b in (1, 2) for p in ("none", "prompt lookup", "llmplug-stdlib-draft")]  # the Engine's
+    assert "| llmplug-stdlib-small (Engine) | 2 | llmplug-stdlib-draft |" in text

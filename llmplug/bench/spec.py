@@ -3,7 +3,7 @@
 
 ``trained``: real acceptance of prompt lookup, the trained draft model and the trained EAGLE-3 head on the shipped
 models, on input-grounded prompts made from held-out standard-library files (a near-copy of each file's continuation,
-then the file's start).
+then the file's start); then the same prompts as Engine requests, plain, with prompt lookup and with the draft model.
 ``oracle``: acceptance on random weights means nothing, so the proposer replays the target's own greedy continuation
 (from the plain run) with each draft corrupted at rate ``1 - alpha``; the weights are made decisive (:func:`decisive`)
 so that bf16 greedy is reproducible and every output must equal the plain run's. With a draft model shape, the draft
@@ -24,6 +24,7 @@ import torch
 
 import llmplug
 
+from ..engine.params import EngineConfig, SamplingParams, SpeculativeConfig
 from ..engine.sequences import SequenceBatch
 from ..spec.proposers import DraftModelProposer
 from ..state import ensure_state
@@ -133,8 +134,36 @@ def trained(device: str, dtype: torch.dtype, prompts: list[list[int]], batches=(
             rows.append({"model": path.name, "batch": b, "proposer": name, "k": k, "tok_s": b * new_tokens / secs,
                          "speedup": base_s / secs, "identical": torch.equal(out, ref),
                          "acceptance": stats.acceptance_rate, "tokens_per_step": stats.tokens_per_step})
+    rows += _engine_rows(target, draft, f"{path.name} (Engine)", prompts, batches, new_tokens, k, repeats, device)
     for m in (target, draft):
         llmplug.unoptimize(m)
+    return rows
+
+
+def _engine_rows(target, draft, label: str, prompts: list[list[int]], batches, new_tokens: int, k: int, repeats: int,
+                 device: str) -> list[dict]:
+    """The same prompts as requests of an :class:`~llmplug.Engine`: without speculation, with prompt lookup and with
+    the draft model (``SpeculativeConfig``, adaptive draft counts), greedy, ``new_tokens`` each."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    configs = [("none", None), ("prompt lookup", SpeculativeConfig(num_tokens=k)),
+               (DRAFT_NAME, SpeculativeConfig(method="draft", draft_model=draft, num_tokens=k))]
+    rows = []
+    for b in batches:
+        base_s = ref = None
+        for name, spec in configs:
+            engine = llmplug.Engine(target, EngineConfig(speculative=spec))
+            secs, outs = timed(functools.partial(engine.generate, prompts[:b], params, progress=False), repeats,
+                               device)
+            tokens = [o.outputs[0].token_ids for o in outs]
+            row = {"model": label, "batch": b, "proposer": name, "tok_s": b * new_tokens / secs}
+            if spec is None:
+                base_s, ref = secs, tokens
+            else:
+                stats = engine.stats()["speculation"]
+                row.update(k=k, speedup=base_s / secs, identical=tokens == ref, acceptance=stats["acceptance_rate"],
+                           tokens_per_step=stats["tokens_per_verified_row"])
+            engine.stop()
+            rows.append(row)
     return rows
 
 

@@ -33,6 +33,10 @@ from .runner import MAX_GRAPH_QUERY
 from .sampler import generator_of, sampling_probs
 from .scheduler import StepPlan
 
+# A filled step's graph keeps every token's logits, (tokens, vocab), captured mid-serving after the KV pool took its
+# memory: at most this many tokens (64 MB of bf16 logits at a 128k vocabulary) a graph. Not measured yet.
+MAX_FILLED_TOKENS = 256
+
 
 def _unpenalised(seq: Sequence) -> bool:
     """Rows whose next-token distribution does not depend on earlier tokens beyond the model (no penalties, no
@@ -183,8 +187,8 @@ class EngineSpeculation:
     def _fill(self, plan: StepPlan, drafts: list[list[int]]) -> list[int]:
         """Filler tokens each row verifies after its drafts, so that a step of one-token rows that all draft is uniform
         (every row ``1 + max(drafts)`` tokens) and replays the runner's CUDA graph of (rows bucket, that length)
-        instead of running eagerly; zeros where the step would not replay one (other rows, no graphs) or the pool has
-        no pages for the fillers."""
+        instead of running eagerly; zeros where the step would not replay one (other rows, no graphs, more than
+        ``MAX_FILLED_TOKENS`` tokens) or the pool has no pages for the fillers."""
         engine = self.engine
         rows = len(plan.seqs)
         if not all(drafts) or any(n != 1 for n in plan.num_new) or not self._graphed(rows):
@@ -193,7 +197,7 @@ class EngineSpeculation:
         fill = [k - len(d) for d in drafts]
         size, blocks = engine.block_size, engine.blocks
         need = [max(0, -(-(s.num_tokens + k) // size) - len(s.blocks)) for s in plan.seqs]
-        if k + 1 > MAX_GRAPH_QUERY or sum(need) > blocks.num_free:
+        if k + 1 > MAX_GRAPH_QUERY or rows * (k + 1) > MAX_FILLED_TOKENS or sum(need) > blocks.num_free:
             return [0] * rows
         for seq, n in zip(plan.seqs, need):
             if n:

@@ -51,3 +51,14 @@ def test_kernel_cuda_fp32(n, k):
     w = torch.randn(n, k, device="cuda") * 0.02
     got = skinny_gemv(x, w)
     torch.testing.assert_close(got, skinny_gemv_ref(x.double(), w.double()).float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("element_size", [1, 2, 4])
+@pytest.mark.parametrize("k", [64, 256, 4096, 14336])
+def test_config_fits_shared_memory(element_size, k):
+    """The pipeline stages of every config fit the shared-memory budget (fp32's four stages at K >= 256 did not)."""
+    from llmplug.ops.skinny_gemv import SHARED_BUDGET, choose_config, next_pow2
+
+    block_n, block_k, _, stages = choose_config(4096, k, element_size)
+    tile_k = min(block_k, next_pow2(k))  # the launch's BLOCK_K
+    assert 1 <= stages <= 4 and stages * (block_n + 16) * tile_k * element_size <= SHARED_BUDGET

@@ -438,7 +438,8 @@ class Engine(ServingMixin):
     def warmup(self) -> None:
         """Pay one-time costs now, not mid-serving (CUDA only; once per engine).
 
-        Captures the decode graph (and the draft model's, with ``EngineConfig.speculative`` drafting with one) and the
+        Captures the decode graph (capturing an EAGLE-3 head's layer inputs when ``EngineConfig.speculative`` drafts
+        with one; the draft model's too when it drafts with a draft model) and the
         greedy ring's of every batch size up to ``max_num_seqs``, then serves a throwaway set of random prompts (lengths
         from 1 to ``max_num_batched_tokens``, a few tokens each), so the kernels' variants of mixed steps are compiled
         and single-sequence prefill graphs captured. Counters and prefix cache are reset.
@@ -446,10 +447,12 @@ class Engine(ServingMixin):
         if self._warmed or self.runner.device.type != "cuda":
             return
         self._warmed = True
-        self.runner.capture_decode_graphs(self.config.max_num_seqs)
         spec = self.config.speculative
+        if spec is not None and spec.method == "eagle3":  # its steps capture layer inputs: graphs of their own
+            self.speculation.drafter(spec).capture()
+        self.runner.capture_decode_graphs(self.config.max_num_seqs)
         if spec is not None and spec.method == "draft":  # the draft model's decode graphs too
-            drafter = self.speculation.drafter(spec.draft_model)
+            drafter = self.speculation.drafter(spec)
             with drafter.state.step_lock:
                 drafter.runner.capture_decode_graphs(self.config.max_num_seqs)
         if self.config.greedy_ring >= 2:  # the greedy ring's graphs, one per rows bucket

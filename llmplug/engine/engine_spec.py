@@ -1,17 +1,19 @@
-"""The Engine's speculative steps: requests verify drafts (prompt lookup or a draft model) inside continuous batching.
+"""The Engine's speculative steps: requests verify drafts (prompt lookup, a draft model, an EAGLE-3 head) inside
+continuous batching.
 
 Each step, a running request without penalties whose next token is a decode and that speculates (its
 ``SamplingParams.speculative``, else ``EngineConfig.speculative``) gets up to ``num_tokens`` drafts (with
 ``adaptive``, as many as its own acceptance so far pays for, :class:`~llmplug.spec.adaptive.AdaptiveK`) when the pool
 has pages for them without preempting anyone and the step's token budget allows: with ``method="ngram"`` the tokens
 after the latest earlier occurrence of its tail, with ``method="draft"`` the draft model's greedy tokens
-(:mod:`.engine_draft`: every row of a draft model drafted together, its KV kept in the draft's own pool). The step
-computes the request's last token and the drafts and returns all their logits. A greedy request keeps the drafts while
-they equal the argmax, then the argmax after them (exactly greedy decoding's tokens); a sampled one verifies them by
-exact rejection sampling against the sampler's distribution (temperature, top-k/p, min-p; its own generator when
-seeded), so its tokens follow the same distribution. Rejected drafts are not counted as computed and their pages past
-the new end go back to the pool; they were never registered in the prefix cache (only known tokens are). Other rows of
-the step (prefill chunks, penalised requests) run as usual.
+(:mod:`.engine_draft`: every row of a draft model drafted together, its KV kept in the draft's own pool), with
+``method="eagle3"`` an EAGLE-3 head's greedy tokens (:mod:`.engine_eagle`: the model's layer inputs captured at every
+step). The step computes the request's last token and the drafts and returns all their logits. A greedy request keeps
+the drafts while they equal the argmax, then the argmax after them (exactly greedy decoding's tokens); a sampled one
+verifies them by exact rejection sampling against the sampler's distribution (temperature, top-k/p, min-p; its own
+generator when seeded), so its tokens follow the same distribution. Rejected drafts are not counted as computed and
+their pages past the new end go back to the pool; they were never registered in the prefix cache (only known tokens
+are). Other rows of the step (prefill chunks, penalised requests) run as usual.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..spec.ngram import propose_ngram
 from ..spec.rejection import greedy_accept, rejection_sample
 from ..state import ensure_state
 from .engine_draft import EngineDrafter
+from .engine_eagle import EngineEagle
 from .params import SpeculativeConfig
 from .request import RequestOutput, Sequence, Status
 from .runner import MAX_GRAPH_QUERY
@@ -56,12 +59,23 @@ class EngineSpeculation:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.drafted = self.accepted = self.steps = 0
-        self.drafters: dict[torch.nn.Module, EngineDrafter] = {}  # one per draft model, made on the engine's thread
+        # one per draft model (or EAGLE-3 head), made on the engine's thread
+        self.drafters: dict[object, EngineDrafter | EngineEagle] = {}
         if engine.config.speculative is not None:
             self.check(engine.config.speculative)
 
     def check(self, cfg: SpeculativeConfig) -> None:
-        """Raise unless ``cfg``'s draft model (if any) can draft for the engine's model; put it on llmplug."""
+        """Raise unless ``cfg``'s draft model or head (if any) can draft for the engine's model; put a draft model on
+        llmplug."""
+        if cfg.method == "eagle3":
+            layers = self.engine.runner.num_layers
+            if max(cfg.head.aux_layers) >= layers:
+                raise ValueError(f"the EAGLE-3 head reads layers {tuple(cfg.head.aux_layers)} but the model has "
+                                 f"{layers}: a head must be loaded for this model (llmplug.load_eagle3(dir, model))")
+            heads = {d.head for d in self.drafters.values() if isinstance(d, EngineEagle)} | {cfg.head}
+            if len(heads) > 1:
+                raise ValueError("one EAGLE-3 head per engine: its requests already draft with another head")
+            return
         if cfg.method != "draft":
             return
         if cfg.draft_model is self.engine.model:
@@ -70,11 +84,13 @@ class EngineSpeculation:
         check_draft_model(cfg.draft_model, self.engine.model, "draft_model")
         ensure_state(cfg.draft_model)
 
-    def drafter(self, model: torch.nn.Module) -> EngineDrafter:
-        """The engine's state for draft model ``model`` (made on first use)."""
-        drafter = self.drafters.get(model)
+    def drafter(self, cfg: SpeculativeConfig) -> EngineDrafter | EngineEagle:
+        """The engine's state for ``cfg``'s draft model or EAGLE-3 head (made on first use, on the engine's thread)."""
+        key = cfg.head if cfg.method == "eagle3" else cfg.draft_model
+        drafter = self.drafters.get(key)
         if drafter is None:
-            drafter = self.drafters[model] = EngineDrafter(model, self.engine.config.max_num_batched_tokens)
+            drafter = self.drafters[key] = EngineEagle(key, self.engine.runner) if cfg.method == "eagle3" else \
+                EngineDrafter(key, self.engine.config.max_num_batched_tokens)
         return drafter
 
     def release(self, seq: Sequence) -> None:
@@ -110,6 +126,10 @@ class EngineSpeculation:
         """Run ``plan`` with drafts for its eligible rows; accept them now, sample the other rows as usual (returns
         their pending tokens, or None)."""
         engine = self.engine
+        eagles = [(i, self.drafter(cfg)) for i, cfg in enumerate(map(self.config_of, plan.seqs))
+                  if cfg is not None and cfg.method == "eagle3"]
+        for _, eagle in eagles:
+            eagle.capture()
         drafts = self._propose(plan)
         fill = self._fill(plan, drafts)
         for seq, d, f in zip(plan.seqs, drafts, fill):
@@ -117,13 +137,23 @@ class EngineSpeculation:
         plan.num_new = [n + len(d) + f for n, d, f in zip(plan.num_new, drafts, fill)]
         ends = [s.num_computed + n == s.num_tokens for s, n in zip(plan.seqs, plan.num_new)]
         counts = [(1 + len(d) + f) if end else 0 for d, f, end in zip(drafts, fill, ends)]
+        firsts = [s.num_computed for s in plan.seqs]
         logits, rows = engine._execute(plan, num_logits=counts)
+        states = engine.runner.aux_hidden if eagles else None  # (T, A): every token's layer inputs, read below
         engine._advance(plan)
         starts = list(itertools.accumulate(counts, initial=0))
         verified = [i for i in rows if drafts[i]]
+        known = list(plan.num_new)  # tokens of each row known for good: all, but a verified row's kept ones
         if verified:
-            self._accept([plan.seqs[i] for i in verified], [drafts[i] for i in verified], logits,
-                         [starts[i] for i in verified], finished, [fill[i] for i in verified])
+            emitted = self._accept([plan.seqs[i] for i in verified], [drafts[i] for i in verified], logits,
+                                   [starts[i] for i in verified], finished, [fill[i] for i in verified])
+            for i, n in zip(verified, emitted):
+                known[i] = n
+        tokens = list(itertools.accumulate(plan.num_new, initial=0))
+        for i, eagle in eagles:
+            seq = plan.seqs[i]
+            if seq.status is not Status.FINISHED:
+                eagle.observe(seq, firsts[i], None if states is None else states[tokens[i]:tokens[i] + known[i]])
         sampled = [i for i in rows if not drafts[i]]
         if not sampled:
             return None
@@ -136,7 +166,7 @@ class EngineSpeculation:
         blocks, size = engine.blocks, engine.block_size
         budget = engine.config.max_num_batched_tokens - plan.num_tokens
         out = []
-        wants: dict[EngineDrafter, list[tuple[int, int]]] = {}  # per draft model: (row, pages taken for its drafts)
+        wants: dict = {}  # per draft model or head: (row, pages taken for its drafts)
         decoding = sum(n == 1 and s.num_computed == s.num_tokens - 1 for s, n in zip(plan.seqs, plan.num_new))
         for i, (seq, n) in enumerate(zip(plan.seqs, plan.num_new)):
             d: list[int] = []
@@ -154,8 +184,8 @@ class EngineSpeculation:
                         seq.blocks.extend(blocks.allocate(need))
                     else:
                         d = []
-                if d and cfg.method == "draft":
-                    wants.setdefault(self.drafter(cfg.draft_model), []).append((i, max(need, 0)))
+                if d and cfg.method != "ngram":
+                    wants.setdefault(self.drafter(cfg), []).append((i, max(need, 0)))
             budget -= len(d)
             out.append(d)
         for drafter, rows in wants.items():
@@ -209,10 +239,11 @@ class EngineSpeculation:
         return self.engine.runner.graph_bucket(rows) is not None
 
     def _accept(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor, starts: list[int],
-                finished: list[RequestOutput], fill: list[int]) -> None:
+                finished: list[RequestOutput], fill: list[int]) -> list[int]:
         """Verify every row's drafts at once (row ``i``'s last token and drafts have ``logits[starts[i]:][:1 + k_i]``)
         and read the result once; keep what the target agrees with (:meth:`Sequence.rollback` drops the rest), then
-        the target's own next token, with stop checks token by token."""
+        the target's own next token, with stop checks token by token. Returns each row's kept tokens (its last token
+        and the accepted drafts)."""
         engine, dev = self.engine, logits.device
         k = max(map(len, drafts))
         index = torch.tensor([[s + min(j, len(d)) for j in range(k + 1)] for s, d in zip(starts, drafts)], device=dev)
@@ -234,6 +265,7 @@ class EngineSpeculation:
                                                    generators=[generator_of(seqs[i], dev) for i in group])
             out[rows] = torch.cat([tokens, emitted[:, None]], dim=1)
         now = time.perf_counter()
+        kept = []
         for seq, d, f, row in zip(seqs, drafts, fill, out.tolist()):  # one read of the device
             emitted = row[-1]
             start = seq.num_tokens - len(d) - f
@@ -247,6 +279,7 @@ class EngineSpeculation:
             seq.spec_steps += 1
             if seq.spec_policy is not None:
                 seq.spec_policy.record(len(d), emitted - 1)
+            kept.append(emitted)
             for pos in range(start, seq.num_tokens):
                 seq.resolved = pos + 1
                 engine.metrics.output_tokens += 1
@@ -254,3 +287,4 @@ class EngineSpeculation:
                 engine._check_stop(seq, seq.tokens[pos], now, finished)
                 if seq.status is Status.FINISHED:
                     break
+        return kept

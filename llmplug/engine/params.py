@@ -33,7 +33,7 @@ def _as_tuple(value, kind: type) -> tuple | None:
         return None
 
 
-_SPEC_METHODS = ("ngram", "draft")
+_SPEC_METHODS = ("ngram", "draft", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ class SpeculativeConfig:
     tokens (greedy ones by equality with the argmax, sampled ones by exact rejection sampling).
 
     Attributes:
-        method: ``"ngram"`` (prompt lookup: the tokens after the latest earlier occurrence of the sequence's tail) or
-            ``"draft"`` (greedy tokens of ``draft_model``).
+        method: ``"ngram"`` (prompt lookup: the tokens after the latest earlier occurrence of the sequence's tail),
+            ``"draft"`` (greedy tokens of ``draft_model``) or ``"eagle3"`` (greedy tokens of an EAGLE-3 ``head``).
         num_tokens: most draft tokens a request verifies in one step (1-15).
         adaptive: each request's draft count follows its own measured acceptance and the step's decoding rows
             (:class:`~llmplug.spec.adaptive.AdaptiveK`'s weight-bound estimate), down to none for blocks of 16 steps
@@ -54,6 +54,10 @@ class SpeculativeConfig:
             embeds), usually a much smaller one. The engine puts it on llmplug (its own runner and paged KV pool,
             sized by its own ``optimize`` settings, e.g. ``llmplug.optimize(draft, kv_num_blocks=...)`` beforehand)
             and keeps one draft state per draft model, whichever configs name it. Compared and hashed by identity.
+        head: for ``"eagle3"``: ``llmplug.load_eagle3(dir, model)``'s proposer for the engine's model. The engine
+            captures the model's layer inputs the head reads at every step while a request drafts with it; a request
+            whose prompt came partly from the prefix cache (no layer inputs for those positions) goes without drafts.
+            One head per engine. Compared and hashed by identity.
     """
 
     method: str = "ngram"
@@ -62,6 +66,7 @@ class SpeculativeConfig:
     max_ngram: int = 2
     min_ngram: int = 1
     draft_model: torch.nn.Module | None = None
+    head: object | None = None
 
     def __post_init__(self) -> None:
         _check(self.method in _SPEC_METHODS, f"method={self.method!r} is not one of {_SPEC_METHODS}")
@@ -80,11 +85,18 @@ class SpeculativeConfig:
                    f"got {type(model).__name__}")
         else:
             _check(self.draft_model is None, f"draft_model is only for method='draft', not method={self.method!r}")
+        if self.method == "eagle3":
+            _check(all(callable(getattr(self.head, a, None)) for a in ("observe", "propose", "forget"))
+                   and getattr(self.head, "aux_layers", None),
+                   f"method='eagle3' needs head= (llmplug.load_eagle3(dir, model)), got {type(self.head).__name__}")
+        else:
+            _check(self.head is None, f"head is only for method='eagle3', not method={self.method!r}")
 
     def __repr__(self) -> str:
         model = "None" if self.draft_model is None else f"<{type(self.draft_model).__name__}>"
+        head = "None" if self.head is None else f"<{type(self.head).__name__}>"
         return (f"SpeculativeConfig(method={self.method!r}, num_tokens={self.num_tokens}, adaptive={self.adaptive}, "
-                f"max_ngram={self.max_ngram}, min_ngram={self.min_ngram}, draft_model={model})")
+                f"max_ngram={self.max_ngram}, min_ngram={self.min_ngram}, draft_model={model}, head={head})")
 
     def __deepcopy__(self, memo) -> SpeculativeConfig:
         return self  # immutable; a copy must name the same draft model (the engine keeps one draft state per model)

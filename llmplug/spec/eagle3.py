@@ -201,6 +201,11 @@ class Eagle3Proposer:
         self._done: dict[int, int] = {}  # per row: positions whose verified features the head's KV holds
         self._pending: dict[int, list[torch.Tensor]] = {}  # per row: features observed since, (n, H) each
 
+    def forget(self, row: int) -> None:
+        """Drop one row's state (the Engine's sequence that held it is gone); its slot starts afresh at position 0."""
+        self._done.pop(row, None)
+        self._pending.pop(row, None)
+
     @torch.inference_mode()
     def observe(self, rows: list[int], aux: list[torch.Tensor]) -> None:
         """The target's states of each row's next verified positions: ``aux[i] (n_i, 3 Ht)`` for row ``rows[i]`` (read

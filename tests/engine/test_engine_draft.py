@@ -192,7 +192,7 @@ def test_draft_config_errors_and_identity():
     assert spec == SpeculativeConfig(method="draft", draft_model=draft) and len({spec, spec}) == 1
     assert spec != SpeculativeConfig(method="draft", draft_model=copy.deepcopy(draft))
     assert copy.deepcopy(SamplingParams(speculative=spec)).speculative.draft_model is draft
-    assert repr(spec).endswith("draft_model=<LlamaForCausalLM>)")
+    assert repr(spec).endswith("draft_model=<LlamaForCausalLM>, head=None)")
     big = make_model("llama", vocab_size=256)
     bigger = SpeculativeConfig(method="draft", draft_model=big)
     with pytest.raises(ValueError, match="draft_model proposes ids up to 255 but the model embeds only 128"):

@@ -233,6 +233,8 @@ def run_soak(cfg: SoakConfig, stall_steps: int = 500) -> SoakReport:
                                 f"{engine.blocks.num_free} of {engine.blocks.num_total}")
         if engine.has_unfinished_requests():
             report.leaks.append(f"{len(engine._requests)} requests never finished")
+        if engine.speculation.live:
+            report.leaks.append(f"the engine counts {engine.speculation.live} speculating requests after the run")
         draft_pool = state_of(draft).runner.cache if draft is not None else None
         if draft_pool is not None and draft_pool.blocks.num_used:
             report.leaks.append(f"the draft model's pool holds {draft_pool.blocks.num_used} blocks after the run")

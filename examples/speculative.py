@@ -78,7 +78,7 @@ def main() -> None:
     outs = engine.generate(ids, params, progress=False)
     own = outs[0].outputs[0].speculation
     print(f"Engine, draft model: equal to plain greedy: {[o.outputs[0].token_ids for o in outs] == want}; "
-          f"first request's acceptance {own['acceptance_rate']:.2f}, {own['tokens_per_verified_step']:.2f} tokens a "
+          f"first request's acceptance {own['acceptance_rate']:.2f}, {own['tokens_per_verified_row']:.2f} tokens a "
           f"verify step")
     engine.stop()
 

@@ -32,11 +32,6 @@ from .step import StepContext, build_step, to_device
 _PLACEHOLDER = -1  # a sampled token the host has not seen yet
 
 
-def _needs_history(seq: Sequence) -> bool:
-    p = seq.request.params
-    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
-
-
 def _deliver(request: Request, item: StreamDelta | RequestOutput) -> None:
     """Hand ``item`` to the request's callback; a failing callback (e.g. its event loop closed) stops only its own
     deliveries, never the engine."""
@@ -162,6 +157,7 @@ class Engine(ServingMixin):
                               stream=stream and on_event is not None)
             self._requests[rid] = request
             self._inbox.append(request)
+            self.speculation.live += params.speculative is not None
         self._wake.set()
         return rid
 
@@ -224,7 +220,7 @@ class Engine(ServingMixin):
             if self.ring.run(finished):
                 return finished
         speculating = self.speculation.active()
-        if self._pending is not None and (speculating or any(_needs_history(s) for s in self._pending.seqs)):
+        if self._pending is not None and (speculating or any(s.request.params.penalised for s in self._pending.seqs)):
             self._resolve(finished)  # drafts and penalties read every earlier token on the host: no step ahead then
         plan = self.scheduler.schedule()
         self.metrics.on_schedule(plan, self.blocks)
@@ -370,7 +366,8 @@ class Engine(ServingMixin):
         request.done = True
         request.finish_time = time.perf_counter()
         with self._lock:
-            self._requests.pop(request.request_id, None)
+            if self._requests.pop(request.request_id, None) is not None:
+                self.speculation.live -= request.params.speculative is not None
         output = self.output_of(request)
         self.metrics.on_finish(output)
         finished.append(output)
@@ -475,7 +472,7 @@ class Engine(ServingMixin):
         self.metrics.reset()
         self.scheduler.num_preemptions = 0
         self.blocks.stats = type(self.blocks.stats)()
-        self.speculation.drafted = self.speculation.accepted = self.speculation.steps = 0
+        self.speculation.reset()
 
     def stats(self) -> dict:
         """Latency percentiles, throughput, goodput, KV use, prefix hits, preemptions and greedy ring blocks (and the

@@ -32,8 +32,7 @@ from .step import block_table, build_step, to_device
 def _plain_greedy(seq: Sequence) -> bool:
     """A running one-token decode whose next tokens are the argmax alone and need no per-token text check."""
     p = seq.request.params
-    return (seq.num_tokens - seq.num_computed == 1 and p.greedy and p.repetition_penalty == 1.0
-            and not p.frequency_penalty and not p.presence_penalty and not p.stop
+    return (seq.num_tokens - seq.num_computed == 1 and p.greedy and not p.penalised and not p.stop
             and seq.num_output >= p.min_new_tokens and len(seq.request.seqs) == p.n)
 
 

@@ -45,8 +45,14 @@ def _unpenalised(seq: Sequence) -> bool:
     """Rows whose next-token distribution does not depend on earlier tokens beyond the model (no penalties, no
     min-new-tokens mask left): every verified position then has the sampler's distribution of its logits."""
     p = seq.request.params
-    return (p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
-            and seq.num_output >= p.min_new_tokens)
+    return not p.penalised and seq.num_output >= p.min_new_tokens
+
+
+def _report(drafted: int, accepted: int, rows: int) -> dict:
+    """Speculation counters (drafts, accepted drafts, verify rows) and the rates derived from them."""
+    return {"drafted": drafted, "accepted": accepted, "verified_rows": rows,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "tokens_per_verified_row": (accepted + rows) / rows if rows else 0.0}
 
 
 class EngineSpeculation:
@@ -59,6 +65,7 @@ class EngineSpeculation:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.drafted = self.accepted = self.steps = 0
+        self.live = 0  # requests not yet done with speculation settings of their own (the engine counts them)
         # one per draft model (or EAGLE-3 head), made on the engine's thread
         self.drafters: dict[object, EngineDrafter | EngineEagle] = {}
         if engine.config.speculative is not None:
@@ -104,23 +111,20 @@ class EngineSpeculation:
 
     def active(self) -> bool:
         """Whether any request not yet done speculates (steps then wait for the previous step's tokens)."""
-        engine = self.engine
-        return engine.config.speculative is not None or any(r.params.speculative for r in engine._requests.values())
+        return self.engine.config.speculative is not None or self.live > 0
 
     def summary(self) -> dict:
         """Drafts proposed and accepted, the acceptance rate and the tokens a verified row gained per step."""
-        return {"drafted": self.drafted, "accepted": self.accepted, "verified_rows": self.steps,
-                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-                "tokens_per_verified_row": (self.accepted + self.steps) / self.steps if self.steps else 0.0}
+        return _report(self.drafted, self.accepted, self.steps)
 
     def of_sequence(self, seq: Sequence) -> dict | None:
-        """``seq``'s own speculation (its :class:`CompletionOutput`'s), or None when its request does not speculate."""
-        if self.config_of(seq) is None:
-            return None
-        drafted, accepted, steps = seq.spec_drafted, seq.spec_accepted, seq.spec_steps
-        return {"drafted": drafted, "accepted": accepted, "verified_steps": steps,
-                "acceptance_rate": accepted / drafted if drafted else 0.0,
-                "tokens_per_verified_step": (accepted + steps) / steps if steps else 0.0}
+        """``seq``'s own :meth:`summary` (its :class:`CompletionOutput`'s), or None when its request does not
+        speculate."""
+        return None if self.config_of(seq) is None else _report(seq.spec_drafted, seq.spec_accepted, seq.spec_steps)
+
+    def reset(self) -> None:
+        """Start the counters of :meth:`summary` afresh."""
+        self.drafted = self.accepted = self.steps = 0
 
     def launch(self, plan: StepPlan, finished: list[RequestOutput]):
         """Run ``plan`` with drafts for its eligible rows; accept them now, sample the other rows as usual (returns
@@ -163,7 +167,7 @@ class EngineSpeculation:
     def _propose(self, plan: StepPlan) -> list[list[int]]:
         """Drafts for each row of ``plan`` (empty where it gets none), their pages allocated."""
         engine = self.engine
-        blocks, size = engine.blocks, engine.block_size
+        blocks = engine.blocks
         budget = engine.config.max_num_batched_tokens - plan.num_tokens
         out = []
         wants: dict = {}  # per draft model or head: (row, pages taken for its drafts)
@@ -178,14 +182,14 @@ class EngineSpeculation:
                 if k > 0:  # a draft model's k tokens are drafted below, all its rows at once
                     d = propose_ngram(torch.tensor(seq.tokens), k, cfg.max_ngram, cfg.min_ngram).tolist() \
                         if cfg.method == "ngram" else [-1] * k
-                need = -(-(seq.num_tokens + len(d)) // size) - len(seq.blocks)
+                need = self._pages(seq, seq.num_tokens + len(d))
                 if d and need > 0:
                     if need <= blocks.num_free:
                         seq.blocks.extend(blocks.allocate(need))
                     else:
                         d = []
                 if d and cfg.method != "ngram":
-                    wants.setdefault(self.drafter(cfg), []).append((i, max(need, 0)))
+                    wants.setdefault(self.drafter(cfg), []).append((i, need))
             budget -= len(d)
             out.append(d)
         for drafter, rows in wants.items():
@@ -225,14 +229,18 @@ class EngineSpeculation:
             return [0] * rows
         k = max(map(len, drafts))
         fill = [k - len(d) for d in drafts]
-        size, blocks = engine.block_size, engine.blocks
-        need = [max(0, -(-(s.num_tokens + k) // size) - len(s.blocks)) for s in plan.seqs]
+        blocks = engine.blocks
+        need = [self._pages(s, s.num_tokens + k) for s in plan.seqs]
         if k + 1 > MAX_GRAPH_QUERY or rows * (k + 1) > MAX_FILLED_TOKENS or sum(need) > blocks.num_free:
             return [0] * rows
         for seq, n in zip(plan.seqs, need):
             if n:
                 seq.blocks.extend(blocks.allocate(n))
         return fill
+
+    def _pages(self, seq: Sequence, tokens: int) -> int:
+        """Pages ``seq`` lacks to hold ``tokens`` tokens (0 if none)."""
+        return max(0, -(-tokens // self.engine.block_size) - len(seq.blocks))
 
     def _graphed(self, rows: int) -> bool:
         """Whether a uniform step of ``rows`` rows replays a CUDA graph here."""

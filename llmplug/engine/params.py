@@ -173,6 +173,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a repetition, frequency or presence penalty reads the earlier tokens."""
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -130,8 +130,9 @@ class Request:
 @dataclass
 class CompletionOutput:
     """One sample: ``token_ids`` generated so far, its text (with a tokenizer), why it stopped, token times; for a
-    speculating request, ``speculation``: its ``drafted`` and ``accepted`` drafts, ``verified_steps``, the
-    ``acceptance_rate`` and the ``tokens_per_verified_step`` (None for a request that does not speculate)."""
+    speculating request, ``speculation``: its ``drafted`` and ``accepted`` drafts, ``verified_rows`` (its verify
+    steps), the ``acceptance_rate`` and the ``tokens_per_verified_row`` (None for a request that does not
+    speculate)."""
 
     index: int
     token_ids: list[int]

@@ -106,16 +106,9 @@ class EngineRing:
         ids, positions = to_device(torch.tensor([[s.tokens[-1] for s in seqs], [s.num_computed for s in seqs]]), dev)
         graph_buf = runner.greedy_graph(rows)
         if graph_buf is not None:
-            # NOTE: the buffers are loaded as SequenceBatch._arm loads them for generate's ring (a shared helper is due)
             graph, buf = graph_buf
-            buf["input_ids"][:rows].copy_(ids)
-            buf["positions"].fill_(-1)  # the bucket's other rows are padding
-            buf["positions"][:rows].copy_(positions)
-            buf["unfinished"].fill_(True)
-            buf["eos"].fill_(-1)  # no stop on the device: the host checks each row's own stop ids
-            buf["pad"].fill_(0)
-            buf["counters"].zero_()
-            buf["block_tables"][:rows, :tables.shape[1]].copy_(tables)
+            # no stop on the device: the host checks each row's own stop ids
+            runner.arm_token_loop(buf, ids, positions, tables, True, torch.empty(0, dtype=torch.long), 0)
             for _ in range(n):
                 graph.replay()
             for seq in seqs:

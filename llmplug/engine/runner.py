@@ -326,6 +326,25 @@ class ModelRunner:
 
         return self._capture(key, buf, step)
 
+    @staticmethod
+    def arm_token_loop(buf: dict[str, torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor,
+                       tables: torch.Tensor, unfinished: torch.Tensor | bool, eos: torch.Tensor, pad: int) -> None:
+        """Load a token-loop graph's buffers (:meth:`greedy_graph`, :meth:`sample_graph`) for ``R`` rows: their input
+        ``tokens (R,)``, ``positions (R,)``, page ``tables (R, M)`` and ``unfinished`` flags (``(R,)`` bool, or one
+        value for all), the ``eos`` ids the device stops on (``(E,)``, ``E <= MAX_EOS``), the ``pad`` id and a zeroed
+        step counter; the bucket's other rows are padding (position -1)."""
+        count = tokens.shape[0]
+        buf["input_ids"][:count].copy_(tokens)
+        buf["positions"].fill_(-1)
+        buf["positions"][:count].copy_(positions)
+        buf["unfinished"].zero_()
+        buf["unfinished"][:count] = unfinished
+        buf["eos"].fill_(-1)
+        buf["eos"][:eos.numel()].copy_(eos)
+        buf["pad"].fill_(pad)
+        buf["counters"].zero_()
+        buf["block_tables"][:count, :tables.shape[1]].copy_(tables)
+
     def _buffers(self, rows: int, tokens: int) -> dict[str, torch.Tensor]:
         """Graph inputs: ``input_ids (tokens,)``, ``positions (rows,)`` (each row's first position),
         ``block_tables (rows, M)``."""

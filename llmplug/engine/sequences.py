@@ -213,8 +213,7 @@ class SequenceBatch:
             return None
         graph, buf = graph_buf
         self._grow(rows, [self.seqs[r].num_computed + n for r in rows])
-        self._arm(buf, rows, torch.tensor(last), torch.ones(len(rows), dtype=torch.bool),
-                  torch.empty(0, dtype=torch.long), 0)
+        self._arm(buf, rows, torch.tensor(last), True, torch.empty(0, dtype=torch.long), 0)
         for _ in range(n):
             graph.replay()
         for r in rows:
@@ -225,23 +224,11 @@ class SequenceBatch:
         """``(len(rows), M)`` device page table of ``rows`` (the table itself when they are every row, in order)."""
         return self.block_table_dev if rows == list(range(len(self.seqs))) else self.block_table_dev[rows]
 
-    def _arm(self, buf: dict[str, torch.Tensor], rows: list[int], tokens: torch.Tensor, unfinished: torch.Tensor,
+    def _arm(self, buf: dict[str, torch.Tensor], rows: list[int], tokens: torch.Tensor, unfinished: torch.Tensor | bool,
              eos: torch.Tensor, pad: int) -> None:
-        """Load a token-loop graph's buffers (:meth:`ModelRunner.greedy_graph`) for ``rows``: their input tokens
-        ``(R,)``, positions, pages and ``unfinished (R,)`` flags, the ``eos`` ids the device stops on, the ``pad`` id,
-        a zeroed step counter; the bucket's other rows are padding (position -1)."""
-        count = len(rows)
-        tables = self.tables(rows)
-        buf["input_ids"][:count].copy_(tokens)
-        buf["positions"].fill_(-1)
-        buf["positions"][:count].copy_(to_device(torch.tensor([self.seqs[r].num_computed for r in rows]), self.device))
-        buf["unfinished"].zero_()
-        buf["unfinished"][:count].copy_(unfinished)
-        buf["eos"].fill_(-1)
-        buf["eos"][:eos.numel()].copy_(eos)
-        buf["pad"].fill_(pad)
-        buf["counters"].zero_()
-        buf["block_tables"][:count, :tables.shape[1]].copy_(tables)
+        """:meth:`ModelRunner.arm_token_loop` for ``rows`` (their positions and pages)."""
+        positions = to_device(torch.tensor([self.seqs[r].num_computed for r in rows]), self.device)
+        self.runner.arm_token_loop(buf, tokens, positions, self.tables(rows), unfinished, eos, pad)
 
     @staticmethod
     def _take_ring(ring: torch.Tensor, event, stops: LateStops, unfinished: torch.Tensor) -> None:

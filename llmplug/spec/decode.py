@@ -2,7 +2,7 @@
 
 Each step takes every row that still needs tokens, asks the proposer for drafts, and verifies them in one uniform
 step (:func:`~llmplug.engine.step.build_step`, a CUDA graph per (rows bucket, ``1 + k``); greedy on CUDA, the graph
-also accepts, :mod:`~llmplug.spec.verify_graph`). Greedy: a row keeps its
+also accepts, :meth:`~llmplug.engine.runner.ModelRunner.greedy_verify`). Greedy: a row keeps its
 drafts while they equal the target's argmax, then the target's own token, so the tokens are exactly greedy
 decoding's. Sampling: exact rejection sampling against the target's distribution after every sampling option. A
 row's rejected drafts are never counted as computed, so the next step overwrites their KV slots. Rows advance by
@@ -22,7 +22,6 @@ from ..engine.step import build_step
 from .adaptive import AdaptiveK
 from .rejection import greedy_accept, rejection_sample
 from .stats import SpecStats
-from .verify_graph import greedy_verify
 
 
 def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[int]], stops: LateStops,
@@ -138,7 +137,7 @@ class _Rows:
         """Launch one step over each active row's last token and its drafts (rows with fewer drafts are padded with
         filler tokens, verified like drafts but never accepted) -> ``collect()``, which reads the result (one read of
         the device), keeps what the target agrees with and returns the step's tokens a row. Greedy on CUDA: one
-        replay of the verify graph (:func:`~llmplug.spec.verify_graph.greedy_verify`)."""
+        replay of the verify graph (:meth:`~llmplug.engine.runner.ModelRunner.greedy_verify`)."""
         drafts = [d[:max(0, self.steps - self.produced[r] - 1)] for r, d in zip(active, drafts)]
         q = 1 + max(map(len, drafts))
         ids = [[t] + d + [t] * (q - 1 - len(d)) for t, d in zip((self.histories[r][-1] for r in active), drafts)]
@@ -147,8 +146,8 @@ class _Rows:
         runner = self.seqs.runner
         result = None
         if sample is None:
-            result = greedy_verify(runner, ids, [s.num_computed for s in sub], [len(d) for d in drafts],
-                                   self.seqs.tables(active))
+            result = runner.greedy_verify(ids, [s.num_computed for s in sub], [len(d) for d in drafts],
+                                          self.seqs.tables(active))
         if result is None:
             result = self._verify_eager(sub, active, ids, drafts, sample)
 

@@ -1,4 +1,4 @@
-"""The greedy verify graph (llmplug/spec/verify_graph.py) returns what the eager verify step and greedy_accept return
+"""The greedy verify graph (ModelRunner.greedy_verify) returns what the eager verify step and greedy_accept return
 (CUDA, fp32)."""
 
 import pytest
@@ -8,7 +8,6 @@ import llmplug
 from llmplug.engine.sequences import SequenceBatch
 from llmplug.engine.step import build_step
 from llmplug.spec.rejection import greedy_accept
-from llmplug.spec.verify_graph import greedy_verify
 from llmplug.state import state_of
 from tests.engine.test_engine_spec import _copying
 from tests.tiny_models import make_model, pad, prompts
@@ -44,8 +43,8 @@ def test_greedy_verify_graph_equals_the_eager_step():
                                         torch.tensor(counts, device="cuda"))
         want = torch.cat([tokens, emitted[:, None]], dim=1).tolist()
         runner._graphs_allowed = True
-        got = greedy_verify(runner, rows, firsts, counts, batch.block_table_dev).tolist()
-        again = greedy_verify(runner, rows, firsts, counts, batch.block_table_dev).tolist()
+        got = runner.greedy_verify(rows, firsts, counts, batch.block_table_dev).tolist()
+        again = runner.greedy_verify(rows, firsts, counts, batch.block_table_dev).tolist()
     finally:
         batch.release()
     assert got == want == again

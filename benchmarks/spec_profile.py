@@ -5,7 +5,7 @@ measured step ~1.28x).
 Oracle proposer at ``--alpha`` on the decisive random-weight shape (:mod:`llmplug.bench.spec`), one profiled call per
 batch after a warm-up.
 
-    python benchmarks/spec_profile.py --model llama-8b --batches 1 8 --out profile.json
+    python benchmarks/spec_profile.py --model llama-8b --batches 1 8 --draft-shape llama-1b --out profile.json
 """
 
 import argparse
@@ -27,6 +27,7 @@ from llmplug.bench.shapes import build  # noqa: E402
 from llmplug.bench.spec import OracleProposer, decisive  # noqa: E402
 from llmplug.engine.sequences import SequenceBatch  # noqa: E402
 from llmplug.engine.step import build_step  # noqa: E402
+from llmplug.spec.proposers import DraftModelProposer  # noqa: E402
 from llmplug.state import state_of  # noqa: E402
 
 
@@ -45,17 +46,28 @@ def _gpu_busy_us(prof) -> float:
     return busy
 
 
-def profile_batch(model, b: int, alpha: float, k: int, new_tokens: int) -> dict:
+def speculative_call(model, b: int, alpha: float, k: int, new_tokens: int, draft=None):
+    """A warmed-up speculative ``generate`` of ``b`` rows (the oracle's drafts, the draft model's cost when given)."""
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (b, 128), generator=torch.Generator().manual_seed(b)).cuda()
     gen = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
     ref = model.generate(**gen).tolist()
 
     def call():
-        return model.generate(**gen, assistant_model=OracleProposer(ref, alpha, vocab, seed=b), num_assistant_tokens=k)
+        pay = None
+        if draft is not None:  # the draft model's real cost, the oracle's drafts
+            pay = DraftModelProposer(SequenceBatch(state_of(draft).runner, ids, None, 128 + new_tokens + k,
+                                                   prefix_cache=False))
+        return model.generate(**gen, assistant_model=OracleProposer(ref, alpha, vocab, seed=b, pay_for=pay),
+                              num_assistant_tokens=k)
 
     call()
     torch.cuda.synchronize()
+    return call
+
+
+def profile_batch(model, b: int, alpha: float, call, draft=None) -> dict:
+    """Wall time of ``call`` unprofiled, then under torch's profiler (GPU busy time, host ops) and cProfile."""
     t0 = time.perf_counter()
     call()
     torch.cuda.synchronize()
@@ -74,12 +86,14 @@ def profile_batch(model, b: int, alpha: float, k: int, new_tokens: int) -> dict:
     st = pstats.Stats(pr)
     ours = sorted(((v[2], v[3], k[0].split("llmplug/")[-1] + ":" + k[2], v[1]) for k, v in st.stats.items()
                    if "llmplug/" in k[0]), reverse=True)[:20]
-    out = {"batch": b, "alpha": alpha, "wall_ms": wall * 1e3, "steps": steps, "wall_per_step_ms": wall * 1e3 / steps,
+    out = {"batch": b, "alpha": alpha, "draft": draft is not None, "wall_ms": wall * 1e3, "steps": steps,
+           "wall_per_step_ms": wall * 1e3 / steps,
            "gpu_busy_ms_profiled": busy / 1e3,
            "host_ops": [(e.key, e.count, e.self_cpu_time_total / e.count) for e in ops],
            "python": [(name, calls, tot * 1e3, cum * 1e3) for tot, cum, name, calls in ours]}
-    print(f"\nbatch {b}: {wall * 1e3:.1f} ms wall (unprofiled), {steps} steps, {wall * 1e3 / steps:.3f} ms a step; "
-          f"profiled GPU busy {busy / 1e3:.1f} ms", flush=True)
+    label = " with the draft model" if draft is not None else ""
+    print(f"\nbatch {b}{label}: {wall * 1e3:.1f} ms wall (unprofiled), {steps} steps, "
+          f"{wall * 1e3 / steps:.3f} ms a step; profiled GPU busy {busy / 1e3:.1f} ms", flush=True)
     print("  host ops (self cpu us/call x calls):")
     for key, count, per in out["host_ops"]:
         print(f"    {key[:60]:60s} {per:8.1f} x {count}")
@@ -157,13 +171,22 @@ def main() -> int:
     ap.add_argument("--alpha", type=float, default=0.8)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--draft-shape", help="also profile this draft model shape's real cost (oracle drafts)")
+    ap.add_argument("--draft-batches", nargs="+", type=int, default=[1])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.manual_seed(0)
     model = llmplug.optimize(decisive(build(args.model, torch.bfloat16, "cuda")))
-    rows = [profile_batch(model, b, args.alpha, args.k, args.new_tokens) for b in args.batches]
-    print("\ngraphs:")
-    graphs = graph_latency(model)
+    draft = None
+    cases = [(b, None) for b in args.batches]
+    if args.draft_shape:
+        torch.manual_seed(1)
+        draft = llmplug.optimize(build(args.draft_shape, torch.bfloat16, "cuda"))
+        cases += [(b, draft) for b in args.draft_batches]
+    calls = [speculative_call(model, b, args.alpha, args.k, args.new_tokens, d) for b, d in cases]
+    print("\ngraphs:")  # before any profiling: once the profiler has run, every launch costs the host far more
+    graphs = graph_latency(model) + (graph_latency(draft) if draft is not None else [])
+    rows = [profile_batch(model, b, args.alpha, call, d) for (b, d), call in zip(cases, calls)]
     print("\nkernels of an eager step:")
     kernels = {b: kernel_breakdown(model, b) for b in args.batches}
     if args.out:

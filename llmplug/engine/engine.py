@@ -21,6 +21,7 @@ from ..kv.swap import SwapSpace
 from ..state import ensure_state
 from .engine_ring import EngineRing
 from .engine_spec import EngineSpeculation
+from .host_read import HostRead
 from .metrics import EngineMetrics
 from .params import EngineConfig, SamplingParams
 from .request import CompletionOutput, Request, RequestOutput, Sequence, Status, StreamDelta
@@ -50,18 +51,10 @@ class _Pending:
     def __init__(self, seqs: list[Sequence], indices: list[int], tokens: torch.Tensor) -> None:
         self.seqs, self.indices, self.tokens = seqs, indices, tokens
         self.row_of = {id(s): r for r, s in enumerate(seqs)}
-        if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host, self.event = tokens, None
+        self.read = HostRead(tokens)
 
     def values(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
+        return self.read.values()
 
 
 class Engine(ServingMixin):

@@ -306,8 +306,8 @@ class ModelRunner:
             torch.cuda.set_rng_state(state, self.device)
 
     @torch.inference_mode()
-    def greedy_verify(self, ids: list[list[int]], firsts: list[int], counts: list[int],
-                      tables: torch.Tensor) -> torch.Tensor | None:
+    def greedy_verify(self, ids: list[list[int]], firsts: list[int], counts: list[int], tables: torch.Tensor,
+                      drafts: torch.Tensor | None = None) -> torch.Tensor | None:
         """Launch a greedy verify step as one graph replay: the uniform step of (rows bucket, ``q``) and the acceptance
         (:func:`~llmplug.spec.rejection.greedy_accept`) on the device, the host inputs in one copy -> ``(rows, q + 1)``
         on the device, each row its emitted tokens padded with -1 to ``q`` and, last, how many it emitted (a view of
@@ -324,6 +324,7 @@ class ModelRunner:
             firsts: per row the position of its first token (its KV is computed below it).
             counts: per row how many of its ``q - 1`` drafts are real.
             tables: ``(rows, M)`` the rows' device page tables (pages for ``firsts + q`` tokens).
+            drafts: ``(rows, q - 1)`` on the device, in place of ``ids``' draft columns (the host never waits for them).
         """
         rows, q = len(ids), len(ids[0])
         bucket = self.graph_bucket(rows)
@@ -336,6 +337,8 @@ class ModelRunner:
         host.copy_(torch.tensor(flat, dtype=torch.long))
         # the caller read the previous call's result, which the device wrote after this buffer's last copy: it is free
         buf["staged"].copy_(host, non_blocking=True)
+        if drafts is not None:
+            buf["input_ids"].view(bucket, q)[:rows, 1:].copy_(drafts)
         buf["block_tables"][:rows, :tables.shape[1]].copy_(tables)
         graph.replay()
         if self.aux_layers:

@@ -32,9 +32,10 @@ def speculative_decode(seqs, proposer, policy: AdaptiveK, histories: list[list[i
         seqs: the call's :class:`~llmplug.engine.sequences.SequenceBatch`, every row's KV computed up to (not
             including) its last emitted token, pages sized for ``steps + policy.k_max`` more positions.
         proposer: :class:`~llmplug.spec.proposers.NgramProposer`, :class:`~llmplug.spec.proposers.DraftModelProposer`
-            or anything with their ``propose``. One with ``aux_layers`` and ``observe(rows, aux)`` (an EAGLE-3 head,
-            :class:`~llmplug.spec.eagle3.Eagle3Proposer`) gets after each step the target's inputs of those layers at
-            every position the step verified (``aux[i] (n_i, A)`` for row ``rows[i]``; the runner captures them,
+            or anything with their ``propose`` (drafts as host lists, or ``(rows, k)`` on the device). One with
+            ``aux_layers`` and ``observe(rows, aux)`` (an EAGLE-3 head, :class:`~llmplug.spec.eagle3.Eagle3Proposer`)
+            gets after each step the target's inputs of those layers at every position the step verified
+            (``aux[i] (n_i, A)`` for row ``rows[i]``; the runner captures them,
             :meth:`~llmplug.engine.runner.ModelRunner.capture_aux`); its plain steps then run one at a time.
         policy: chooses each step's draft count.
         histories: per row its prompt and emitted tokens (host ints; extended in place).
@@ -133,34 +134,43 @@ class _Rows:
             self._emit(r, tokens, 0, n)
         return n
 
-    def verify(self, active: list[int], drafts: list[list[int]], policy: AdaptiveK | None, sample):
-        """Launch one step over each active row's last token and its drafts (rows with fewer drafts are padded with
-        filler tokens, verified like drafts but never accepted) -> ``collect()``, which reads the result (one read of
-        the device), keeps what the target agrees with and returns the step's tokens a row. Greedy on CUDA: one
-        replay of the verify graph (:meth:`~llmplug.engine.runner.ModelRunner.greedy_verify`)."""
-        drafts = [d[:max(0, self.steps - self.produced[r] - 1)] for r, d in zip(active, drafts)]
-        q = 1 + max(map(len, drafts))
-        ids = [[t] + d + [t] * (q - 1 - len(d)) for t, d in zip((self.histories[r][-1] for r in active), drafts)]
+    def verify(self, active: list[int], drafts: list[list[int]] | torch.Tensor, policy: AdaptiveK | None, sample):
+        """Launch one step over each active row's last token and its drafts (host lists, or ``(rows, k)`` on the
+        device; past a row's limit, and in rows with fewer drafts, filler tokens are verified like drafts but never
+        accepted) -> ``collect()``, which reads the result (one read of the device), keeps what the target agrees
+        with and returns the step's tokens a row. Greedy on CUDA: one replay of the verify graph
+        (:meth:`~llmplug.engine.runner.ModelRunner.greedy_verify`)."""
+        limits = [max(0, self.steps - self.produced[r] - 1) for r in active]
+        lasts = [self.histories[r][-1] for r in active]
+        if isinstance(drafts, torch.Tensor):
+            counts = [min(drafts.shape[1], n) for n in limits]
+            q = 1 + max(counts)
+            on_device, ids = drafts[:, :q - 1], [[t] * q for t in lasts]  # the draft columns come from the device
+        else:
+            drafts = [d[:n] for d, n in zip(drafts, limits)]
+            counts = [len(d) for d in drafts]
+            q = 1 + max(counts)
+            on_device, ids = None, [[t] + d + [t] * (q - 1 - len(d)) for t, d in zip(lasts, drafts)]
         sub = [self.seqs.seqs[r] for r in active]
         self.seqs._grow(active, [s.num_computed + q for s in sub])
         runner = self.seqs.runner
         result = None
         if sample is None:
-            result = runner.greedy_verify(ids, [s.num_computed for s in sub], [len(d) for d in drafts],
-                                          self.seqs.tables(active))
+            result = runner.greedy_verify(ids, [s.num_computed for s in sub], counts, self.seqs.tables(active),
+                                          drafts=on_device)
         if result is None:
-            result = self._verify_eager(sub, active, ids, drafts, sample)
+            result = self._verify_eager(sub, active, ids, counts, on_device, sample)
 
         def collect() -> int:
             both = result.tolist()
             if policy is not None:
-                policy.record(sum(map(len, drafts)), sum(row[-1] - 1 for row in both))
+                policy.record(sum(counts), sum(row[-1] - 1 for row in both))
             self.stats.steps += 1
-            for r, seq, row, d in zip(active, sub, both, drafts):
+            for r, seq, row, count in zip(active, sub, both, counts):
                 n = row[-1]
                 seq.num_computed += n  # the last token and the accepted drafts; the rest's KV slots are free again
                 self.stats.accepted += n - 1
-                self._emit(r, row[:n], len(d), 1)
+                self._emit(r, row[:n], count, 1)
             if self.observe is not None:
                 aux = runner.aux_hidden.view(len(active), q, -1)
                 self.observe(active, [aux[i, :row[-1]] for i, row in enumerate(both)])
@@ -168,17 +178,19 @@ class _Rows:
 
         return collect
 
-    def _verify_eager(self, sub, active: list[int], ids: list[list[int]], drafts: list[list[int]],
-                      sample) -> torch.Tensor:
+    def _verify_eager(self, sub, active: list[int], ids: list[list[int]], counts: list[int],
+                      on_device: torch.Tensor | None, sample) -> torch.Tensor:
         """The verify step through ``runner.step`` and the acceptance as separate launches -> ``(rows, q + 1)`` on the
         device: per row its emitted tokens padded with -1, then how many."""
         q, device = len(ids[0]), self.seqs.device
         ctx = build_step(sub, [q] * len(sub), self.seqs.block_size, device,
                          input_ids=torch.tensor(ids, dtype=torch.long).reshape(-1),
                          block_tables=self.seqs.tables(active), all_logits=True)
-        logits = self.seqs.runner.step(ctx).view(len(active), q, -1)
-        counts = torch.tensor([len(d) for d in drafts], device=device)
         drafted = ctx.input_ids.view(len(active), q)[:, 1:]
+        if on_device is not None:
+            drafted.copy_(on_device)
+        logits = self.seqs.runner.step(ctx).view(len(active), q, -1)
+        counts = torch.tensor(counts, device=device)
         if sample is None:
             tokens, emitted = greedy_accept(logits, drafted, counts)
         else:

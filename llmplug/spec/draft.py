@@ -7,7 +7,7 @@ itself), ``num_computed`` (its tokens with KV), ``blocks`` (its pages in the dra
 tokens known to be the target's; the rest are unverified drafts). Before proposing, :func:`catch_up` rolls a row back
 to the longest prefix its tokens share with the target's (accepted drafts keep their KV, rejected ones are dropped);
 :func:`draft_greedy` then feeds every row's missing tokens in one step and runs greedy decode steps, all rows
-batched, and reads the drafts once.
+batched, and reads the drafts once (or leaves them on the device for a verify step to take as its inputs).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def catch_up(seq, history: list[int]) -> None:
 
 
 def draft_greedy(runner, seqs: list, ks: list[int], block_size: int, device: torch.device,
-                 block_tables: torch.Tensor | None = None, num_new: list[int] | None = None) -> list[list[int]]:
+                 block_tables: torch.Tensor | None = None, num_new: list[int] | None = None,
+                 read: bool = True) -> list[list[int]] | torch.Tensor:
     """Greedy drafts of the draft model: ``ks[i]`` ids for ``seqs[i]`` (draft-side sequences after :func:`catch_up`,
     pages held for ``num_computed + num_new[i] + ks[i] - 1`` tokens).
 
@@ -59,8 +60,11 @@ def draft_greedy(runner, seqs: list, ks: list[int], block_size: int, device: tor
         runner: the draft model's :class:`~llmplug.engine.runner.ModelRunner`.
         block_tables: ``(len(seqs), M)`` the rows' page table on the device; None builds it from their ``blocks``.
 
+        read: False leaves the drafts on the device (every ``ks[i]`` equal and positive): nothing waits for them,
+            and the caller hands them to :func:`note_drafts` once it has read them.
+
     Returns:
-        Each row's drafts (``[]`` where ``ks[i] == 0``).
+        Each row's drafts (``[]`` where ``ks[i] == 0``); with ``read=False``, ``(len(seqs), k)`` on the device.
     """
     count = len(seqs)
     if num_new is None:
@@ -88,14 +92,24 @@ def draft_greedy(runner, seqs: list, ks: list[int], block_size: int, device: tor
         steps.append(runner.step(ctx).argmax(-1))
         for seq in sub:
             seq.num_computed += 1
+    if not read:
+        if min(ks, default=0) != max(ks, default=1) or not ks[0]:
+            raise ValueError(f"drafts stay on the device only for one positive count a row, got {ks}")
+        return torch.stack(steps, dim=1)
     flat = torch.cat(steps).tolist() if steps else []  # the one read of the device
     offsets = [0]
     for part in steps:
         offsets.append(offsets[-1] + part.shape[0])
     drafts = [[flat[offsets[j] + i] for j in range(k)] for i, k in enumerate(ks)]
-    for seq, d in zip(seqs, drafts):
-        seq.tokens.extend(d[:-1])
+    note_drafts(seqs, drafts)
     out: list[list[int]] = [[] for _ in range(count)]
     for i, d in zip(order, drafts):
         out[i] = d
     return out
+
+
+def note_drafts(seqs: list, drafts: list[list[int]]) -> None:
+    """Record in each draft-side sequence the drafts :func:`draft_greedy` fed it (all of a row's drafts but the
+    last): the next :func:`catch_up` keeps the KV of those the target accepts."""
+    for seq, d in zip(seqs, drafts):
+        seq.tokens.extend(d[:-1])

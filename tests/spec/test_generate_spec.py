@@ -16,8 +16,10 @@ from transformers import (
 import llmplug
 from llmplug.engine import generate as generate_module
 from llmplug.engine import generate_spec
+from llmplug.engine.sequences import SequenceBatch
 from llmplug.spec import decode as spec_decode
 from llmplug.spec.adaptive import AdaptiveK, expected_tokens
+from llmplug.spec.proposers import DraftModelProposer
 from llmplug.spec.rejection import rejection_sample
 from llmplug.state import state_of
 from tests.stats import chi_square_p, pair_counts
@@ -91,6 +93,28 @@ def test_draft_model_equals_greedy(same_weights):
     if same_weights:  # the target's own greedy tokens: every draft is accepted
         assert stats.accepted == stats.drafted and stats.tokens_per_step > 2
     assert state_of(draft) is not None and state_of(draft).runner.cache.blocks.num_used == 0  # pages returned
+
+
+def test_draft_model_proposer_keeps_the_kv_of_accepted_drafts():
+    """The drafts stay on the device; the proposer learns them on its next call, so a row whose drafts were all
+    accepted feeds the draft model only its last draft and the bonus token."""
+    draft = llmplug.optimize(make_model("llama"))
+    ids = torch.tensor(prompts(2, lengths=(7, 7)))
+    batch = SequenceBatch(state_of(draft).runner, ids, None, max_length=30, prefix_cache=False)
+    proposer = DraftModelProposer(batch)
+    histories = [row + [5] for row in ids.tolist()]
+    drafts = proposer.propose([0, 1], histories, 3)
+    assert isinstance(drafts, torch.Tensor) and drafts.shape == (2, 3)
+    for history, row in zip(histories, drafts.tolist()):
+        history.extend(row + [9])  # every draft accepted, then the target's own token
+    fed = []
+    step = batch.runner.step
+    batch.runner.step = lambda ctx: fed.append(ctx.input_ids.shape[0]) or step(ctx)
+    again = proposer.propose([0, 1], histories, 3)
+    assert fed[0] == 2 * 2  # the catch-up step: each row's last draft and the bonus token
+    assert torch.equal(again[:, 0], draft(input_ids=torch.tensor(histories)).logits[:, -1].argmax(-1))
+    proposer.release()
+    assert batch.runner.cache.blocks.num_used == 0
 
 
 def test_eos_and_stopping_criteria_as_stock():

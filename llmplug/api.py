@@ -11,6 +11,8 @@ from .engine.attention import RUNTIME_ATTR
 from .engine.generate import llmplug_generate
 from .engine.hf_batching import install as install_hf_batching
 from .engine.runner import ModelRunner, hf_forward
+from .parallel.group import resolve as resolve_tp
+from .parallel.shard import shard_model
 from .patches.decoder import FusedDecoder
 from .patches.registry import check_supported, family_of
 from .patches.undo import UndoLog
@@ -54,10 +56,17 @@ def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **ove
     check_supported(model)
     if config.quantize is not None:
         quantize(model, config.quantize, config.group_size, config.quantize_exclude)
+    tp = resolve_tp(config.tensor_parallel)
     log = UndoLog()
-    family = family_of(model) if config.fuse else None
-    forward = FusedDecoder(model, family[0], family[1], log) if family else hf_forward
-    runner = ModelRunner(model, config, forward)
+    try:
+        if tp is not None:
+            shard_model(model, tp, log)
+        family = family_of(model) if config.fuse else None
+        forward = FusedDecoder(model, family[0], family[1], log, tp) if family else hf_forward
+    except BaseException:
+        log.undo_all()
+        raise
+    runner = ModelRunner(model, config, forward, tp)
     for module in model.modules():
         if hasattr(module, "layer_idx"):
             log.set_attr(module, RUNTIME_ATTR, runner)

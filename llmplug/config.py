@@ -40,6 +40,10 @@ class OptimizeConfig:
             whose linears stay unquantized; embeddings are never quantized.
         kv_cache_dtype: KV pool storage: ``"auto"`` (the model's dtype), ``"fp8"`` (e4m3) or ``"int8"``, with a
             scale per token and KV head.
+        tensor_parallel: split the model over the ranks of ``torch.distributed`` (:mod:`llmplug.parallel`):
+            ``None`` or 1 (one process), ``"auto"`` (the world size when ``torch.distributed`` is initialised, as
+            under ``torchrun``), or the world size itself. Every rank must call ``optimize`` and then run the same
+            ``generate`` / engine calls.
     """
 
     fuse: bool = True
@@ -55,6 +59,7 @@ class OptimizeConfig:
     group_size: int = 128
     quantize_exclude: tuple[str, ...] = field(default=("lm_head",))
     kv_cache_dtype: str = "auto"
+    tensor_parallel: int | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("fuse", "cuda_graphs"):
@@ -83,6 +88,9 @@ class OptimizeConfig:
         if isinstance(self.quantize_exclude, str) or any(not isinstance(p, str) for p in self.quantize_exclude):
             raise ValueError(f"quantize_exclude={self.quantize_exclude!r} must be a tuple of name patterns")
         object.__setattr__(self, "quantize_exclude", tuple(self.quantize_exclude))
+        tp = self.tensor_parallel
+        if not (tp is None or tp == "auto" or (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1)):
+            raise ValueError(f"tensor_parallel={tp!r} must be None, 'auto' or a positive int (the world size)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose from {KV_CACHE_DTYPES}")
 

@@ -29,6 +29,8 @@ GENERIC = {
     "gpt2": lambda: tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1,
                                   eos_token_id=2, pad_token_id=0),
     "olmo2": lambda: tf.Olmo2Config(**COMMON),
+    "granite": lambda: tf.GraniteConfig(**COMMON, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                        attention_multiplier=0.2, logits_scaling=2.0),
 }
 
 

@@ -19,6 +19,8 @@ from ..config import OptimizeConfig
 from ..kv.cache import PagedKVCache, kv_storage_dtype
 from ..ops._triton import programmatic_launch
 from ..ops.greedy_step import advance_step, greedy_step
+from ..parallel.group import TPGroup
+from ..parallel.shard import head_split
 from ..spec.rejection import greedy_accept
 from .attention import ATTENTION_NAME
 from .metadata import AttentionMetadata
@@ -52,14 +54,18 @@ def hf_forward(runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Te
 class ModelRunner:
     """Owns the KV pool, the current step's metadata and the decode graphs of one optimized model."""
 
-    def __init__(self, model: torch.nn.Module, config: OptimizeConfig, forward_fn: ForwardFn) -> None:
+    def __init__(self, model: torch.nn.Module, config: OptimizeConfig, forward_fn: ForwardFn,
+                 tp: TPGroup | None = None) -> None:
         self.model = model
         self.config = config
         self.forward_fn = forward_fn
+        self.tp = tp  # the tensor-parallel group the weights are split over (its KV heads are this rank's)
         self.meta: AttentionMetadata | None = None
         text = model.config.get_text_config()
         self.num_layers = text.num_hidden_layers
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        if tp is not None:
+            self.num_kv_heads = head_split(text.num_attention_heads, self.num_kv_heads, tp.size)[1]
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.max_model_len = config.max_model_len or getattr(text, "max_position_embeddings", 8192)
         if config.max_model_len is not None:  # where the limit comes from, for error messages

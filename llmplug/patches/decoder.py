@@ -18,6 +18,9 @@ from ..ops import skinny_gemv
 from ..ops.act_mul import act_and_mul
 from ..ops.gemv import add_norm_gemv, gemv, norm_in_prologue
 from ..ops.rms_norm import add_rms_norm, rms_norm
+from ..parallel.group import TPGroup
+from ..parallel.linear import RowParallel
+from ..parallel.shard import head_split
 from ..quant.linear import QuantLinear, fuse_quant_linears
 from .undo import UndoLog
 
@@ -93,9 +96,9 @@ def _fuse(modules: list[torch.nn.Module], log: UndoLog) -> Linear:
 @dataclass
 class _Layer:
     qkv: Linear
-    o: Linear
+    o: Linear | RowParallel
     gate_up: Linear
-    down: Linear
+    down: Linear | RowParallel
     q_size: int
     kv_size: int
     scale: float
@@ -134,12 +137,15 @@ def text_decoder(model: torch.nn.Module) -> torch.nn.Module | None:
 class FusedDecoder:
     """Prepared (fused) weights of one model plus its forward over flat token lists."""
 
-    def __init__(self, model: torch.nn.Module, spec: FamilySpec, activation: str, log: UndoLog) -> None:
+    def __init__(self, model: torch.nn.Module, spec: FamilySpec, activation: str, log: UndoLog,
+                 tp: TPGroup | None = None) -> None:
         self.spec = spec
         self.activation = activation
         self.base = text_decoder(model)
         self.lm_head = _linear_of(model.lm_head)
+        self.tp = tp  # the weights are this rank's slices (llmplug.parallel.shard): reduce and gather around them
         text = model.config.get_text_config()
+        self.vocab = text.vocab_size
         self.final_softcap = getattr(text, "final_logit_softcapping", None)
         self.layers = []
         for layer in self.base.layers:
@@ -147,11 +153,15 @@ class FusedDecoder:
             head_dim = attn.head_dim
             n_heads = getattr(attn, "num_heads", None) or text.num_attention_heads
             n_kv = getattr(attn, "num_key_value_heads", None) or text.num_key_value_heads
+            if tp is not None:
+                n_heads, n_kv = head_split(n_heads, n_kv, tp.size)
+            o, down = _linear_of(attn.o_proj), _linear_of(layer.mlp.down_proj)
+            if tp is not None:
+                o, down = RowParallel(o, tp), RowParallel(down, tp)
             window = getattr(text, "sliding_window", None) if spec.window_from_config else \
                 getattr(attn, "sliding_window", None)
             self.layers.append(_Layer(
-                qkv=_fuse_attention(attn, log), o=_linear_of(attn.o_proj), gate_up=_fuse_mlp(layer.mlp, log),
-                down=_linear_of(layer.mlp.down_proj),
+                qkv=_fuse_attention(attn, log), o=o, gate_up=_fuse_mlp(layer.mlp, log), down=down,
                 q_size=n_heads * head_dim, kv_size=n_kv * head_dim, scale=float(attn.scaling),
                 window=window, softcap=getattr(attn, "attn_logit_softcapping", None),
                 rope_key=getattr(attn, "layer_type", None) if spec.rope_per_layer_type else None, module=layer,
@@ -260,6 +270,8 @@ class FusedDecoder:
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]
         logits, _ = self._add_norm_matmul(self.lm_head, None, hidden, residual, self.base.norm)
+        if self.tp is not None:  # each rank's vocabulary rows, side by side, the padding cut
+            logits = self.tp.all_gather(logits)[:, :self.vocab]
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

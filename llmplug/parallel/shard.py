@@ -1,0 +1,173 @@
+"""Split an HF decoder's weights over a tensor-parallel group, in place, and back (bit-identical).
+
+Each rank keeps (Megatron's layout, as gpt-fast applies it in place):
+
+* q/k/v projections by heads (column-parallel); GQA KV heads split when the group size divides them, else each rank
+  keeps the one KV head its query heads read (replicated over ``size / num_kv_heads`` ranks);
+* ``o_proj`` and ``down_proj`` by input columns (row-parallel: each rank's output is a partial sum, all-reduced; a
+  bias is added by rank 0 alone);
+* ``gate_proj`` and ``up_proj`` by output rows, the same rows of each, so the gated activation stays local;
+* the embedding and the LM head by vocabulary rows, ``ceil(V / size)`` a rank (the last padded with zero rows): the
+  embedding's lookup is masked to the rank's rows and all-reduced, the LM head's logits gathered.
+
+The HF modules keep working: forward hooks all-reduce the row-parallel projections' outputs and gather the LM head's
+logits, the embedding's forward is replaced. Undo gathers every slice back from the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..patches.undo import UndoLog
+from .group import TPGroup
+
+_COLUMN = ("q_proj", "k_proj", "v_proj")
+_MLP_COLUMN = ("gate_proj", "up_proj")
+
+
+def head_split(num_heads: int, num_kv_heads: int, size: int) -> tuple[int, int]:
+    """(query heads, KV heads) each of ``size`` ranks holds; ValueError where the heads do not split."""
+    if num_heads % size:
+        raise ValueError(f"tensor_parallel={size} must divide the model's {num_heads} attention heads")
+    if num_kv_heads % size == 0:
+        return num_heads // size, num_kv_heads // size
+    if size % num_kv_heads == 0:
+        return num_heads // size, 1
+    raise ValueError(f"tensor_parallel={size} must divide the model's {num_kv_heads} KV heads or be a multiple of them")
+
+
+def kv_heads_of(rank: int, num_heads: int, num_kv_heads: int, size: int) -> range:
+    """The KV heads rank ``rank`` holds: those its query heads read."""
+    q, kv = head_split(num_heads, num_kv_heads, size)
+    first = rank * q // (num_heads // num_kv_heads)
+    return range(first, first + kv)
+
+
+def _rows(heads: range, head_dim: int) -> torch.Tensor:
+    return torch.arange(heads.start * head_dim, heads.stop * head_dim)
+
+
+def _take(param: torch.Tensor, dim: int, indices: list[torch.Tensor], tp: TPGroup, log: UndoLog) -> None:
+    """Keep ``param``'s slices ``indices[tp.rank]`` along ``dim`` (equal sizes on every rank); undo gathers them."""
+    full_shape, mine = param.shape, indices[tp.rank].to(param.device)
+    param.data = param.data.index_select(dim, mine).contiguous()
+
+    def undo() -> None:
+        shard = param.data
+        parts = tp.stack(shard)
+        full = torch.empty(full_shape, dtype=shard.dtype, device=shard.device)
+        for rank, index in enumerate(indices):
+            full.index_copy_(dim, index.to(shard.device), parts[rank])
+        param.data = full
+
+    log.record(undo)
+
+
+def _only_rank0(param: torch.Tensor | None, tp: TPGroup, log: UndoLog) -> None:
+    """A row-parallel bias: added once, by rank 0 (zeros elsewhere); undo gives each rank its own again."""
+    if param is None or tp.rank == 0:
+        return
+    old = param.data
+    param.data = torch.zeros_like(old)
+    log.record(lambda: setattr(param, "data", old))
+
+
+def _check_linear(module: torch.nn.Module, name: str) -> torch.nn.Linear:
+    if type(module) is not torch.nn.Linear:
+        raise NotImplementedError(f"tensor parallelism splits plain nn.Linear projections; {name} is "
+                                  f"{type(module).__name__} (quantized linears do not split yet)")
+    return module
+
+
+def shard_model(model: torch.nn.Module, tp: TPGroup, log: UndoLog) -> None:
+    """Split ``model``'s decoder layers, embedding and LM head over ``tp`` in place (module docstring)."""
+    text = model.config.get_text_config()
+    decoder = model.get_decoder()
+    n_heads, n_kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    q_local, _ = head_split(n_heads, n_kv, tp.size)
+    for i, layer in enumerate(decoder.layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or not all(hasattr(attn, p) for p in (*_COLUMN, "o_proj")) \
+                or not all(hasattr(mlp, p) for p in (*_MLP_COLUMN, "down_proj")):
+            raise NotImplementedError(f"tensor parallelism needs decoder layers with self_attn.q/k/v/o_proj and "
+                                      f"mlp.gate/up/down_proj; {type(layer).__name__} has other projections")
+        d = attn.head_dim
+        norm = getattr(attn, "q_norm", None)
+        if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.numel() != d:
+            raise NotImplementedError(f"{type(attn).__name__} normalises q over all heads together "
+                                      "(not per head): it does not split over tensor-parallel ranks")
+        q_rows = [_rows(range(r * q_local, (r + 1) * q_local), d) for r in range(tp.size)]
+        kv_rows = [_rows(kv_heads_of(r, n_heads, n_kv, tp.size), d) for r in range(tp.size)]
+        for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+            lin = _check_linear(getattr(attn, name), f"layer {i} self_attn.{name}")
+            for p in (lin.weight, lin.bias):
+                if p is not None:
+                    _take(p, 0, rows, tp, log)
+        o = _check_linear(attn.o_proj, f"layer {i} self_attn.o_proj")
+        _take(o.weight, 1, q_rows, tp, log)
+        _only_rank0(o.bias, tp, log)
+        inter = mlp.gate_proj.out_features
+        if inter % tp.size:
+            raise ValueError(f"tensor_parallel={tp.size} must divide the MLP's {inter} intermediate features")
+        step = inter // tp.size
+        mlp_rows = [torch.arange(r * step, (r + 1) * step) for r in range(tp.size)]
+        for name in _MLP_COLUMN:
+            lin = _check_linear(getattr(mlp, name), f"layer {i} mlp.{name}")
+            for p in (lin.weight, lin.bias):
+                if p is not None:
+                    _take(p, 0, mlp_rows, tp, log)
+        down = _check_linear(mlp.down_proj, f"layer {i} mlp.down_proj")
+        _take(down.weight, 1, mlp_rows, tp, log)
+        _only_rank0(down.bias, tp, log)
+        for proj in (o, down):
+            handle = proj.register_forward_hook(lambda module, args, out: tp.all_reduce(out))
+            log.record(handle.remove)
+    _shard_vocab(model, text.vocab_size, tp, log)
+
+
+def vocab_rows(vocab: int, tp: TPGroup) -> tuple[int, int]:
+    """(first row, rows) of the vocabulary rank ``tp.rank`` holds, ``rows = ceil(vocab / size)`` (padded)."""
+    rows = math.ceil(vocab / tp.size)
+    return tp.rank * rows, rows
+
+
+def _vocab_shard(param: torch.Tensor, vocab: int, tp: TPGroup, log: UndoLog) -> None:
+    """Keep ``param``'s vocabulary rows (zero-padded to ``ceil(V / size)``); undo gathers them."""
+    first, rows = vocab_rows(vocab, tp)
+    full = param.data
+    shard = full[first:first + rows]
+    param.data = F.pad(shard, (0, 0, 0, rows - shard.shape[0])).contiguous()
+
+    def undo() -> None:
+        param.data = tp.stack(param.data).reshape(tp.size * rows, -1)[:vocab].clone()
+
+    log.record(undo)
+
+
+def _shard_vocab(model: torch.nn.Module, vocab: int, tp: TPGroup, log: UndoLog) -> None:
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(embed).forward is not torch.nn.Embedding.forward and not hasattr(embed, "embed_scale"):
+        raise NotImplementedError(f"tensor parallelism splits nn.Embedding; the model's is {type(embed).__name__}")
+    if head is not None and head.weight is not embed.weight:
+        _check_linear(head, "lm_head")
+        if head.bias is not None:
+            raise NotImplementedError("an LM head with a bias does not split yet")
+        _vocab_shard(head.weight, vocab, tp, log)
+    _vocab_shard(embed.weight, vocab, tp, log)
+    first, rows = vocab_rows(vocab, tp)
+
+    def embed_forward(input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - first
+        inside = (local >= 0) & (local < rows)
+        out = F.embedding(local.clamp(0, rows - 1), embed.weight)
+        out = tp.all_reduce(out.masked_fill(~inside[..., None], 0))
+        scale = getattr(embed, "embed_scale", None)  # Gemma 3's scaled embedding
+        return out * scale.to(out.dtype) if scale is not None else out
+
+    log.set_attr(embed, "forward", embed_forward)
+    if head is not None:
+        handle = head.register_forward_hook(lambda module, args, out: tp.all_gather(out)[..., :vocab])
+        log.record(handle.remove)

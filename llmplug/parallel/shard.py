@@ -86,6 +86,8 @@ def shard_model(model: torch.nn.Module, tp: TPGroup, log: UndoLog) -> None:
     """Split ``model``'s decoder layers, embedding and LM head over ``tp`` in place (module docstring)."""
     text = model.config.get_text_config()
     decoder = model.get_decoder()
+    param = next(model.parameters())
+    tp.prepare(param.device, param.dtype)
     n_heads, n_kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     q_local, _ = head_split(n_heads, n_kv, tp.size)
     for i, layer in enumerate(decoder.layers):

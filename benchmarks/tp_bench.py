@@ -3,8 +3,8 @@
 Rank 0 alone runs the shape first (TP=1), then every rank runs it split (TP = world size); greedy ``generate`` of
 128-token prompts, median of ``--repeats`` timed calls after a warm-up, the weights made decisive
 (:func:`llmplug.bench.spec.decisive`) so that both runs must give the same tokens; the split runs once with every
-all-reduce on NCCL and once with llmplug's choice (``LLMPLUG_TP_ALLREDUCE``). Also the all-reduce's latency inside a
-CUDA graph, NCCL against llmplug's.
+all-reduce on NCCL and once with small ones through symmetric memory (``LLMPLUG_TP_ALLREDUCE=one_shot``). Also the
+all-reduce's latency inside a CUDA graph, both ways.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         torchrun --standalone --nproc-per-node 2 benchmarks/tp_bench.py --model llama-8b --out tp.json
@@ -68,8 +68,8 @@ def main() -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--allreduce", nargs="+", choices=["nccl", "auto"], default=["nccl", "auto"],
-                    help="TP runs: every all-reduce on NCCL, and/or llmplug's choice (symmetric memory when small)")
+    ap.add_argument("--allreduce", nargs="+", choices=["nccl", "one_shot"], default=["nccl", "one_shot"],
+                    help="TP runs: every all-reduce on NCCL, and/or small ones through symmetric memory")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -78,10 +78,11 @@ def main() -> int:
     report = {"model": args.model, "world": world, "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "allreduce_us_in_graph": {}, "rows": []}
     group = TPGroup(rank, world)
+    os.environ["LLMPLUG_TP_ALLREDUCE"] = "one_shot"
     group.prepare(torch.device("cuda"), torch.bfloat16)
     for numel in (4096, 32768, 131072):  # 8 KB: one batch-1 8B hidden state; 64 KB: batch 8; 256 KB: batch 32
         report["allreduce_us_in_graph"][2 * numel] = {"nccl": allreduce_us(dist.all_reduce, numel),
-                                                      "llmplug": allreduce_us(group.all_reduce, numel)}
+                                                      "one_shot": allreduce_us(group.all_reduce, numel)}
     reference = {}
     if rank == 0:
         torch.manual_seed(0)
@@ -96,7 +97,7 @@ def main() -> int:
     dist.barrier()
     torch.manual_seed(0)
     model = decisive(build(args.model, torch.bfloat16, "cuda"))
-    for mode in args.allreduce:  # the same weights split, with every all-reduce on NCCL or llmplug's choice
+    for mode in args.allreduce:  # the same weights split, with every all-reduce on NCCL or small ones one-shot
         os.environ["LLMPLUG_TP_ALLREDUCE"] = mode
         llmplug.optimize(model, tensor_parallel="auto")
         for b in args.batches:

@@ -12,9 +12,10 @@ import torch.distributed as dist
 # torch 2.13 renamed all_gather_into_tensor (one output tensor, the inputs along dim 0); 2.11 has only the old name
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# All-reduces of up to this many bytes on CUDA read every peer's copy directly (symmetric memory, one kernel);
-# larger ones go through NCCL. NOTE: 8 KB inside a CUDA graph on two NVLinked H200s: NCCL 16.9 us, one-shot 6.2 us
-# (DESIGN.md); the crossover is not measured yet.
+# With LLMPLUG_TP_ALLREDUCE=one_shot, all-reduces of up to this many bytes on CUDA read every peer's copy directly
+# (symmetric memory, one kernel after a copy into the mapped buffer); NCCL otherwise. NOTE: two H100s, 8B shape,
+# 5958b18: the one-shot path is faster alone (8 KB in a CUDA graph 9.8 us vs NCCL 16.0) but decode at TP=2 is slower
+# with it (255.4 vs 262.8 tok/s at batch 1), so NCCL is the default (BENCHMARKS.md, "Tensor parallelism").
 ONE_SHOT_MAX_BYTES = 256 << 10
 
 
@@ -22,9 +23,9 @@ ONE_SHOT_MAX_BYTES = 256 << 10
 class TPGroup:
     """This process's place in a tensor-parallel group: ``rank`` of ``size`` ranks of ``group`` (None: the world).
 
-    On CUDA, small all-reduces (decode steps' hidden states) go through a symmetric-memory buffer every rank maps
-    (``torch.ops.symm_mem.one_shot_all_reduce``) once :meth:`prepare` made it; ``LLMPLUG_TP_ALLREDUCE=nccl`` in the
-    environment keeps every all-reduce on NCCL.
+    All-reduces go through NCCL (gloo on CPUs); with ``LLMPLUG_TP_ALLREDUCE=one_shot`` in the environment, small ones
+    on CUDA go through a symmetric-memory buffer every rank maps (``torch.ops.symm_mem.one_shot_all_reduce``) once
+    :meth:`prepare` made it.
     """
 
     rank: int
@@ -37,9 +38,9 @@ class TPGroup:
         return (self.group or dist.group.WORLD).group_name
 
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Map the symmetric-memory buffer of ``dtype`` on every rank (collective: every rank calls it together);
-        NCCL alone where CUDA symmetric memory is unavailable or ``LLMPLUG_TP_ALLREDUCE=nccl``."""
-        if device.type != "cuda" or dtype in self._symm or os.environ.get("LLMPLUG_TP_ALLREDUCE") == "nccl":
+        """With ``LLMPLUG_TP_ALLREDUCE=one_shot``, map the symmetric-memory buffer of ``dtype`` on every rank
+        (collective: every rank calls it together); NCCL alone otherwise or where CUDA symmetric memory fails."""
+        if device.type != "cuda" or dtype in self._symm or os.environ.get("LLMPLUG_TP_ALLREDUCE") != "one_shot":
             return
         try:
             import torch.distributed._symmetric_memory as symm

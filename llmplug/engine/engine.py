@@ -257,6 +257,8 @@ class Engine(ServingMixin):
             logits = logits[torch.tensor(picks, device=logits.device)]
             seqs += [child for _, child in forks]
         tokens = sample(logits, seqs)
+        if self.runner.tp is not None and not all(s.request.params.greedy for s in seqs):
+            self.runner.tp.broadcast(tokens)  # rank 0's draws everywhere (greedy picks agree by themselves)
         pending = _Pending(seqs, [s.num_tokens for s in seqs], tokens)
         for seq in seqs:
             seq.tokens.append(_PLACEHOLDER)

@@ -191,6 +191,8 @@ def llmplug_generate(model, inputs=None, generation_config=None, **kwargs):
     if assistant is not None:
         prepare_draft(assistant, model)
     loop = functools.partial(_decode_loop, stream_to=kwargs.get("streamer"), assistant=assistant)
+    if state.runner.tp is not None:  # every rank samples what rank 0 samples
+        state.runner.tp.sync_rng(state.runner.device)
     with state.step_lock:  # no engine step runs on this model's runner meanwhile
         return GenerationMixin.generate(model, generation_config=generation_config, custom_generate=loop, **kwargs)
 

@@ -85,7 +85,8 @@ def speculate(seqs: SequenceBatch, k: int, assistant, generation_config, input_i
         proposer = DraftModelProposer(draft)
     if aux_layers_of(proposer):
         proposer.observe(list(range(len(seqs))), seqs.prefill_aux())
-    policy = AdaptiveK(k, RIDGE_TOKENS.get(seqs.device.type, 4.0))
+    tp = seqs.runner.tp
+    policy = AdaptiveK(k, RIDGE_TOKENS.get(seqs.device.type, 4.0), agree=tp.agree if tp is not None else None)
     try:
         stats = speculative_decode(seqs, proposer, policy, histories, stops, limit - input_ids.shape[1],
                                    set(eos.tolist()), None if processors is None else _sampler(processors))

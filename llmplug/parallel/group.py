@@ -69,6 +69,32 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, in place (``x`` on the group's device: CUDA under NCCL); returns ``x``."""
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast(x, src=src, group=self.group)
+        return x
+
+    def _device(self) -> torch.device:
+        """Where this group's collectives take their tensors."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def agree(self, value: float) -> float:
+        """Rank 0's ``value`` (a host decision input, such as a measured time, that must be the same everywhere)."""
+        return float(self.broadcast(torch.tensor([value], dtype=torch.float64, device=self._device())).item())
+
+    def sync_rng(self, device: torch.device) -> None:
+        """Give every rank rank 0's random state (the CPU generator, and ``device``'s when it is CUDA), so sampling
+        from the identical gathered logits draws the same tokens everywhere."""
+        states = [(torch.get_rng_state, torch.set_rng_state)]
+        if device.type == "cuda":
+            states.append((lambda: torch.cuda.get_rng_state(device), lambda s: torch.cuda.set_rng_state(s, device)))
+        for get, put in states:
+            state = self.broadcast(get().to(self._device()))
+            put(state.cpu())
+
     def stack(self, x: torch.Tensor) -> torch.Tensor:
         """``x (N, ...)`` of every rank -> ``(size, N, ...)``, rank order."""
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)

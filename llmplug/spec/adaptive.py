@@ -35,14 +35,17 @@ class AdaptiveK:
         prior: acceptance assumed before anything is measured.
         probe_every: tokens of a block of plain decode steps while speculation is off.
         max_backoff: most blocks of plain steps between two probes.
+        agree: maps each measured time to the one to use (under tensor parallelism rank 0's, so that every rank
+            chooses the same draft counts and runs the same steps); None keeps it.
     """
 
     def __init__(self, k_max: int, ridge: float, overhead: float = 0.08, prior: float = 0.6,
-                 probe_every: int = 16, max_backoff: int = 8) -> None:
+                 probe_every: int = 16, max_backoff: int = 8, agree=None) -> None:
         if k_max < 1:
             raise ValueError(f"k={k_max} draft tokens: must be >= 1")
         self.k_max, self.ridge, self.overhead, self.probe_every = k_max, ridge, overhead, probe_every
         self.max_backoff = max_backoff
+        self.agree = agree  # measured times -> the ones every rank uses (rank 0's under tensor parallelism)
         self.drafted = 0.0
         self.accepted = 0.0
         self.prior = prior
@@ -66,6 +69,8 @@ class AdaptiveK:
 
     def record_cost(self, rows: int, q: int, seconds: float) -> None:
         """The wall time of one step of ``rows`` sequences, ``q`` tokens each (a plain step: ``q = 1``)."""
+        if self.agree is not None:
+            seconds = self.agree(seconds)
         key = (rows, q)
         if key not in self._seen:  # the first may have captured a graph or compiled a kernel
             self._seen.add(key)

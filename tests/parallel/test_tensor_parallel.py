@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 import llmplug
 from tests.parallel.ranks import run_ranks
@@ -64,3 +65,44 @@ def test_config_errors():
     with pytest.raises(RuntimeError, match="torch.distributed"):
         llmplug.optimize(make_model("llama"), tensor_parallel=2)
     assert llmplug.OptimizeConfig(tensor_parallel="auto").tensor_parallel == "auto"
+
+
+def _more_on_ranks(rank: int) -> dict:
+    from llmplug.engine import generate_spec
+
+    generate_spec.RIDGE_TOKENS["cpu"] = 1e9  # speculate at every step, as on a GPU (the measured costs still count)
+    model = llmplug.optimize(_model("llama"), tensor_parallel="auto")
+    kw = _inputs()
+    out = {"lookup": model.generate(**kw, prompt_lookup_num_tokens=3),
+           "draft": model.generate(**kw, assistant_model=_model("llama", num_hidden_layers=1),
+                                   num_assistant_tokens=2)}
+    torch.manual_seed(100 + rank)  # ranks seeded apart: rank 0's random state is everyone's
+    out["sampled"] = model.generate(**{**kw, "do_sample": True, "temperature": 1.5})
+    engine = llmplug.Engine(model)
+    rows = [[t for t in r if t] for r in kw["input_ids"].tolist()]
+    done = engine.generate(rows, llmplug.SamplingParams(max_new_tokens=12, temperature=1.5), progress=False)
+    out["engine sampled"] = [o.outputs[0].token_ids for o in done]
+    engine.stop()
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, prompt_lookup_num_tokens=2)
+    res = model.generate_batch(rows, config)
+    out["generate_batch"] = [res[f"req_{i}"].generated_tokens for i in range(len(rows))]
+    return out
+
+
+def test_sampling_and_speculation_agree_over_ranks(monkeypatch):
+    from llmplug.engine import generate_spec
+
+    results = run_ranks(2, _more_on_ranks)
+    assert all(torch.equal(r["sampled"], results[0]["sampled"]) for r in results)
+    assert all(r["engine sampled"] == results[0]["engine sampled"] for r in results)
+    monkeypatch.setitem(generate_spec.RIDGE_TOKENS, "cpu", 1e9)
+    solo = _model("llama")
+    expected = solo.generate(**_inputs())
+    for r in results:
+        assert torch.equal(r["lookup"], expected) and torch.equal(r["draft"], expected)
+    width = _inputs()["input_ids"].shape[1]
+    for r in results:  # generate_batch (with prompt lookup) gives each prompt's own greedy tokens
+        assert r["generate_batch"] == [[t for t in row[width:].tolist()] for row in expected]
+    torch.manual_seed(100)  # rank 0's seed: one process draws the same tokens
+    assert torch.equal(llmplug.optimize(solo).generate(**{**_inputs(), "do_sample": True, "temperature": 1.5}),
+                       results[0]["sampled"])

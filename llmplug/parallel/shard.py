@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..patches.undo import UndoLog
+from ..quant.linear import QuantLinear
 from .group import TPGroup
 
 _COLUMN = ("q_proj", "k_proj", "v_proj")
@@ -50,20 +51,32 @@ def _rows(heads: range, head_dim: int) -> torch.Tensor:
     return torch.arange(heads.start * head_dim, heads.stop * head_dim)
 
 
-def _take(param: torch.Tensor, dim: int, indices: list[torch.Tensor], tp: TPGroup, log: UndoLog) -> None:
-    """Keep ``param``'s slices ``indices[tp.rank]`` along ``dim`` (equal sizes on every rank); undo gathers them."""
-    full_shape, mine = param.shape, indices[tp.rank].to(param.device)
-    param.data = param.data.index_select(dim, mine).contiguous()
+def _take(owner: torch.nn.Module, name: str, dim: int, indices: list[torch.Tensor], tp: TPGroup,
+          log: UndoLog) -> None:
+    """Keep ``owner.name``'s slices ``indices[tp.rank]`` along ``dim`` (equal sizes on every rank); undo gathers
+    them. A parameter keeps its object (its ``data`` changes); a buffer is set anew."""
+    t = getattr(owner, name)
+    full_shape = t.shape
+    sliced = t.data.index_select(dim, indices[tp.rank].to(t.device)).contiguous()
+    _put(owner, name, sliced)
 
     def undo() -> None:
-        shard = param.data
+        shard = getattr(owner, name).data
         parts = tp.stack(shard)
         full = torch.empty(full_shape, dtype=shard.dtype, device=shard.device)
         for rank, index in enumerate(indices):
             full.index_copy_(dim, index.to(shard.device), parts[rank])
-        param.data = full
+        _put(owner, name, full)
 
     log.record(undo)
+
+
+def _put(owner: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    t = getattr(owner, name)
+    if isinstance(t, torch.nn.Parameter):
+        t.data = value
+    else:
+        setattr(owner, name, value)
 
 
 def _only_rank0(param: torch.Tensor | None, tp: TPGroup, log: UndoLog) -> None:
@@ -75,11 +88,41 @@ def _only_rank0(param: torch.Tensor | None, tp: TPGroup, log: UndoLog) -> None:
     log.record(lambda: setattr(param, "data", old))
 
 
-def _check_linear(module: torch.nn.Module, name: str) -> torch.nn.Linear:
-    if type(module) is not torch.nn.Linear:
-        raise NotImplementedError(f"tensor parallelism splits plain nn.Linear projections; {name} is "
-                                  f"{type(module).__name__} (quantized linears do not split yet)")
-    return module
+def _check_linear(module: torch.nn.Module, name: str) -> torch.nn.Module:
+    if type(module) is torch.nn.Linear:
+        return module
+    if isinstance(module, QuantLinear) and module.perm is None:
+        return module
+    raise NotImplementedError(f"tensor parallelism splits nn.Linear and llmplug's quantized linears; {name} is "
+                              f"{type(module).__name__}" + (" with act-order input permutation"
+                                                            if isinstance(module, QuantLinear) else ""))
+
+
+def _split_rows(lin: torch.nn.Module, rows: list[torch.Tensor], tp: TPGroup, log: UndoLog) -> None:
+    """Column-parallel: keep output rows ``rows[tp.rank]`` of a linear (quantized: its weights, scales, zeros)."""
+    names = ["weight"] if type(lin) is torch.nn.Linear else [n for n in ("qweight", "scales", "zeros")
+                                                             if getattr(lin, n, None) is not None]
+    for name in names + (["bias"] if lin.bias is not None else []):
+        _take(lin, name, 0, rows, tp, log)
+    log.set_attr(lin, "out_features", len(rows[tp.rank]))
+
+
+def _split_columns(lin: torch.nn.Module, cols: list[torch.Tensor], tp: TPGroup, log: UndoLog) -> None:
+    """Row-parallel: keep input columns ``cols[tp.rank]`` (contiguous ranges); the bias is rank 0's alone. An int4
+    linear's ranges must hold whole groups: its packed bytes and group scales split with them."""
+    if type(lin) is torch.nn.Linear or lin.method != "int4":
+        _take(lin, "weight" if type(lin) is torch.nn.Linear else "qweight", 1, cols, tp, log)
+    else:
+        group = lin.group_size
+        if len(cols[0]) % group:
+            raise ValueError(f"tensor_parallel={tp.size} splits {lin.in_features} int4 input features into "
+                             f"{len(cols[0])} a rank, not whole groups of {group}: quantize with a group size that "
+                             "divides them")
+        _take(lin, "qweight", 1, [c[::2] // 2 for c in cols], tp, log)
+        for name in ("scales", "zeros"):
+            _take(lin, name, 1, [c[::group] // group for c in cols], tp, log)
+    _only_rank0(lin.bias, tp, log)
+    log.set_attr(lin, "in_features", len(cols[tp.rank]))
 
 
 def shard_model(model: torch.nn.Module, tp: TPGroup, log: UndoLog) -> None:
@@ -104,26 +147,18 @@ def shard_model(model: torch.nn.Module, tp: TPGroup, log: UndoLog) -> None:
         q_rows = [_rows(range(r * q_local, (r + 1) * q_local), d) for r in range(tp.size)]
         kv_rows = [_rows(kv_heads_of(r, n_heads, n_kv, tp.size), d) for r in range(tp.size)]
         for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
-            lin = _check_linear(getattr(attn, name), f"layer {i} self_attn.{name}")
-            for p in (lin.weight, lin.bias):
-                if p is not None:
-                    _take(p, 0, rows, tp, log)
+            _split_rows(_check_linear(getattr(attn, name), f"layer {i} self_attn.{name}"), rows, tp, log)
         o = _check_linear(attn.o_proj, f"layer {i} self_attn.o_proj")
-        _take(o.weight, 1, q_rows, tp, log)
-        _only_rank0(o.bias, tp, log)
+        _split_columns(o, q_rows, tp, log)
         inter = mlp.gate_proj.out_features
         if inter % tp.size:
             raise ValueError(f"tensor_parallel={tp.size} must divide the MLP's {inter} intermediate features")
         step = inter // tp.size
         mlp_rows = [torch.arange(r * step, (r + 1) * step) for r in range(tp.size)]
         for name in _MLP_COLUMN:
-            lin = _check_linear(getattr(mlp, name), f"layer {i} mlp.{name}")
-            for p in (lin.weight, lin.bias):
-                if p is not None:
-                    _take(p, 0, mlp_rows, tp, log)
+            _split_rows(_check_linear(getattr(mlp, name), f"layer {i} mlp.{name}"), mlp_rows, tp, log)
         down = _check_linear(mlp.down_proj, f"layer {i} mlp.down_proj")
-        _take(down.weight, 1, mlp_rows, tp, log)
-        _only_rank0(down.bias, tp, log)
+        _split_columns(down, mlp_rows, tp, log)
         for proj in (o, down):
             handle = proj.register_forward_hook(lambda module, args, out: tp.all_reduce(out))
             log.record(handle.remove)
@@ -154,9 +189,9 @@ def _shard_vocab(model: torch.nn.Module, vocab: int, tp: TPGroup, log: UndoLog) 
     if type(embed).forward is not torch.nn.Embedding.forward and not hasattr(embed, "embed_scale"):
         raise NotImplementedError(f"tensor parallelism splits nn.Embedding; the model's is {type(embed).__name__}")
     if head is not None and head.weight is not embed.weight:
-        _check_linear(head, "lm_head")
-        if head.bias is not None:
-            raise NotImplementedError("an LM head with a bias does not split yet")
+        if type(head) is not torch.nn.Linear or head.bias is not None:
+            raise NotImplementedError(f"tensor parallelism splits an LM head that is a plain nn.Linear without bias; "
+                                      f"the model's is {head!r} (keep lm_head out of quantization)")
         _vocab_shard(head.weight, vocab, tp, log)
     _vocab_shard(embed.weight, vocab, tp, log)
     first, rows = vocab_rows(vocab, tp)

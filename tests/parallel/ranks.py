@@ -12,13 +12,48 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _detached(value):
+    """``value`` with every tensor copied into a numpy array, so it outlives this process (a tensor would travel as
+    a handle to this process's shared memory)."""
+    if isinstance(value, torch.Tensor):
+        return _Array(value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+def _attached(value):
+    if isinstance(value, _Array):
+        return value.tensor()
+    if isinstance(value, dict):
+        return {k: _attached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_attached(v) for v in value)
+    return value
+
+
+class _Array:
+    """A tensor's bytes as a numpy array (any dtype, bf16 and fp8 too), its dtype and shape."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        t = t.detach().cpu().contiguous()
+        self.bytes, self.dtype, self.shape = t.reshape(-1).view(torch.uint8).numpy(), t.dtype, tuple(t.shape)
+
+    def tensor(self) -> torch.Tensor:
+        if self.bytes.size == 0:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.from_numpy(self.bytes.copy()).view(self.dtype).reshape(self.shape)
+
+
 def _worker(rank: int, size: int, store: str, fn, args, queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size,
                                 timeout=timedelta(seconds=60))
-        queue.put((rank, fn(rank, *args), None))
+        queue.put((rank, _detached(fn(rank, *args)), None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, None, traceback.format_exc()))
     finally:
@@ -26,9 +61,10 @@ def _worker(rank: int, size: int, store: str, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
-def run_ranks(size: int, fn, *args, timeout: float = 300.0) -> list:
-    """``fn(rank, *args)`` on ``size`` processes (a module-level function); its results by rank. Raises with a rank's
-    traceback if one failed."""
+def run_ranks(size: int, fn, *args, timeout: float = 300.0, reporting: int | None = None) -> list:
+    """``fn(rank, *args)`` on ``size`` processes (a module-level function); its results by rank (None for a rank
+    that never reported, when only ``reporting`` of them are expected to). Raises with a rank's traceback if one
+    failed."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -38,14 +74,14 @@ def run_ranks(size: int, fn, *args, timeout: float = 300.0) -> list:
             p.start()
         results: dict[int, object] = {}
         try:
-            for _ in range(size):
+            for _ in range(size if reporting is None else reporting):
                 rank, value, error = queue.get(timeout=timeout)
                 if error is not None:
                     raise RuntimeError(f"rank {rank} failed:\n{error}")
-                results[rank] = value
+                results[rank] = _attached(value)
         finally:
             for p in procs:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
-    return [results[r] for r in range(size)]
+    return [results.get(r) for r in range(size)]

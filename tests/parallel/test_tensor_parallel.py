@@ -1,5 +1,8 @@
 """Tensor parallelism on the CPU: 2 and 4 gloo processes, fp32, greedy tokens identical to one process."""
 
+import os
+import time
+
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -106,3 +109,47 @@ def test_sampling_and_speculation_agree_over_ranks(monkeypatch):
     torch.manual_seed(100)  # rank 0's seed: one process draws the same tokens
     assert torch.equal(llmplug.optimize(solo).generate(**{**_inputs(), "do_sample": True, "temperature": 1.5}),
                        results[0]["sampled"])
+
+
+def _quantized_on_ranks(rank: int, methods) -> dict:
+    out = {}
+    for method in methods:
+        model = _model("llama", hidden_size=128, intermediate_size=256)
+        llmplug.optimize(model, tensor_parallel="auto", quantize=method, group_size=32)
+        out[method] = model.generate(**_inputs())
+        llmplug.unoptimize(model)  # quantized weights stay quantized: gathered back whole
+        out[method + " weights"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def test_quantized_linears_split():
+    methods = ("int8", "int4")
+    results = run_ranks(2, _quantized_on_ranks, methods)
+    for method in methods:
+        solo = _model("llama", hidden_size=128, intermediate_size=256)
+        llmplug.optimize(solo, quantize=method, group_size=32)
+        expected = solo.generate(**_inputs())
+        llmplug.unoptimize(solo)
+        for got in results:
+            assert torch.equal(got[method], expected), method
+            weights = got[method + " weights"]
+            assert all(torch.equal(weights[k], v) for k, v in solo.state_dict().items()), method
+
+
+def _one_rank_dies(rank: int) -> tuple:
+    model = llmplug.optimize(_model("llama"), tensor_parallel="auto")
+    if rank == 1:
+        os._exit(3)  # a rank lost mid-run (killed, out of memory)
+    start = time.monotonic()
+    try:
+        model.generate(**_inputs())
+    except Exception as error:  # noqa: BLE001 - what the survivor sees is the point
+        return "raised", time.monotonic() - start, f"{type(error).__name__}: {error}"[:300]
+    return "returned", time.monotonic() - start, ""
+
+
+def test_a_dead_rank_ends_the_others_with_an_error():
+    """The survivor's next collective raises (gloo sees the closed connection, or the group's 60 s timeout) instead
+    of hanging."""
+    outcome, seconds, message = run_ranks(2, _one_rank_dies, reporting=1, timeout=120)[0]
+    assert outcome == "raised" and seconds < 60, (outcome, seconds, message)

@@ -17,16 +17,18 @@ SPECULATIVE = [f"{how}: equal to plain greedy: True" for how in (
 EXPECTED = {
     "generate.py": ["outputs equal: True", "stock generate:", "llmplug generate:"],
     "pipeline_chat.py": ["assistant (assistant):", "same reply as stock pipeline: True"],
+    "tensor_parallel.py": ["ranks: 1; rank 0 holds 128 of 128 q_proj rows",
+                           "greedy tokens equal to stock HF on the whole model: True"],
     "options.py": ["optimized: True", "ValueError: kv_block_size=12", "sampled twice with seed 0, equal: True",
                    "8 score tensors", "streamed: ", "fallback warning: llmplug does not support beam_search"],
 }
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, launcher: tuple[str, ...] = ()) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU reference path, not Triton's
     # on the CPU in fp32, where the scripts' "equal: True" must hold (on a GPU they run bf16: near-ties may round apart)
-    env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
+    env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *launcher, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
@@ -59,3 +61,10 @@ def test_speculative_on_the_shipped_models():
         line = next(x for x in out.splitlines() if x.startswith(f"generate, {label}:"))
         accepted = int(line.split("; ")[1].split(" of ")[0])
         assert accepted > 0, line
+
+
+def test_tensor_parallel_under_torchrun():
+    """The README's torchrun recipe on two CPU processes (gloo): rank 0 holds half of each layer, same tokens."""
+    out = _run("tensor_parallel.py", launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
+    assert "ranks: 2; rank 0 holds 64 of 128 q_proj rows" in out, out
+    assert "greedy tokens equal to stock HF on the whole model: True" in out, out

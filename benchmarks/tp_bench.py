@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import llmplug  # noqa: E402
 from llmplug.bench.shapes import build, weight_bytes  # noqa: E402
-from llmplug.bench.spec import decisive, timed  # noqa: E402
+from llmplug.bench.spec import decisive, held_out_files, timed  # noqa: E402
 from llmplug.parallel.group import TPGroup  # noqa: E402
 
 
@@ -62,6 +63,40 @@ def decode(model, batch: int, new_tokens: int, repeats: int) -> tuple[float, tor
     return batch * new_tokens / secs, out.cpu()
 
 
+def agreement(path: str, rank: int, world: int, prompts: int, new_tokens: int = 32, device: str = "cuda",
+              dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """Greedy agreement of the trained model at TP = world with TP=1 (rank 0 alone) in bf16: the fraction of
+    held-out prompts (each the first 64 tokens of a held-out stdlib file) whose ``new_tokens`` continuations are
+    identical. None on ranks other than 0."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    rows = []
+    for f in held_out_files():
+        ids = tokenizer(f.read_text(errors="ignore"))["input_ids"]
+        if len(ids) >= 64:
+            rows.append(ids[:64])
+        if len(rows) == prompts:
+            break
+    ids = torch.tensor(rows, device=device)
+    gen = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+               min_new_tokens=new_tokens)
+    one = None
+    if rank == 0:
+        model = llmplug.optimize(build(path, dtype, device))
+        one = model.generate(**gen).cpu()
+        llmplug.unoptimize(model)
+        del model
+    dist.barrier()
+    model = llmplug.optimize(build(path, dtype, device), tensor_parallel="auto")
+    split = model.generate(**gen).cpu()
+    llmplug.unoptimize(model)
+    if rank != 0:
+        return None
+    same = (split == one).all(dim=1)
+    print(f"greedy agreement of TP={world} with TP=1 on {path}: {int(same.sum())} of {len(rows)} prompts identical "
+          f"over {new_tokens} tokens", flush=True)
+    return float(same.float().mean())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-8b")
@@ -70,6 +105,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--allreduce", nargs="+", choices=["nccl", "one_shot"], default=["nccl", "one_shot"],
                     help="TP runs: every all-reduce on NCCL, and/or small ones through symmetric memory")
+    ap.add_argument("--agreement", metavar="DIR", help="also: greedy agreement with TP=1 of this trained model, bf16")
+    ap.add_argument("--prompts", type=int, default=64, help="held-out prompts of the agreement check")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -107,6 +144,8 @@ def main() -> int:
                 report["rows"].append({"tp": world, "allreduce": mode, "batch": b, "tok_s": tok_s,
                                        "speedup": tok_s / one["tok_s"], "identical": torch.equal(out, reference[b])})
         llmplug.unoptimize(model)  # its graphs hold NCCL work: gone before the process group
+    if args.agreement:
+        report["agreement"] = agreement(args.agreement, rank, world, args.prompts)
     if rank == 0:
         print(f"all-reduce in a CUDA graph, us by bytes: {report['allreduce_us_in_graph']}")
         print("| tp | all-reduce | batch | tok/s | speed-up | identical |")

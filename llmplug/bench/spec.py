@@ -85,16 +85,20 @@ def timed(fn, repeats: int, device) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def grounded_prompts(tokenizer, n: int, head: int = 192, copy: int = 192) -> list[list[int]]:
-    """Input-grounded prompts from held-out stdlib files (``crc32(path) % 50 == 0``, the trained models' split): a
-    near-copy (every 20th token changed) of the file's tokens ``[head, head + copy)``, a blank line, then the file's
-    first ``head`` tokens to continue."""
+def held_out_files() -> list[Path]:
+    """This Python's standard-library files the trained models never saw (``crc32(path) % 50 == 0``, their split),
+    sorted by path."""
     lib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in lib.rglob("*.py") if "site-packages" not in p.parts
-                   and zlib.crc32(str(p.relative_to(lib)).encode()) % 50 == 0)
+    return sorted(p for p in lib.rglob("*.py") if "site-packages" not in p.parts
+                  and zlib.crc32(str(p.relative_to(lib)).encode()) % 50 == 0)
+
+
+def grounded_prompts(tokenizer, n: int, head: int = 192, copy: int = 192) -> list[list[int]]:
+    """Input-grounded prompts from :func:`held_out_files`: a near-copy (every 20th token changed) of the file's
+    tokens ``[head, head + copy)``, a blank line, then the file's first ``head`` tokens to continue."""
     rng = random.Random(0)
     out = []
-    for f in files:
+    for f in held_out_files():
         ids = tokenizer(f.read_text(errors="ignore"))["input_ids"]
         if len(ids) < head + copy:
             continue

@@ -23,12 +23,13 @@ from .engine.params import EngineConfig, SamplingParams, SpeculativeConfig
 from .engine.request import CompletionOutput, RequestOutput, StreamDelta
 from .engine.scoring import logits
 from .errors import KVCacheFullError, UnsupportedModelError
+from .parallel.load import load_split
 from .quant import LlmplugQuantConfig, QuantLinear, from_gptq_awq, from_quantized, quantize, save_quantized
 from .spec.eagle3 import load_eagle3
 from .spec.stats import spec_stats
 
 __all__ = ["CompletionOutput", "Engine", "EngineConfig", "KVCacheFullError", "LlmplugQuantConfig", "OptimizeConfig",
            "QuantLinear", "RequestOutput", "SamplingParams", "SpeculativeConfig", "StreamDelta",
-           "UnsupportedModelError", "from_gptq_awq", "from_quantized", "is_optimized", "load_eagle3", "logits",
-           "optimize", "quantize", "save_quantized", "spec_stats", "unoptimize"]
+           "UnsupportedModelError", "from_gptq_awq", "from_quantized", "is_optimized", "load_eagle3", "load_split",
+           "logits", "optimize", "quantize", "save_quantized", "spec_stats", "unoptimize"]
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ from .engine.generate import llmplug_generate
 from .engine.hf_batching import install as install_hf_batching
 from .engine.runner import ModelRunner, hf_forward
 from .parallel.group import resolve as resolve_tp
+from .parallel.load import SPLIT_ATTR
 from .parallel.shard import shard_model
 from .patches.decoder import FusedDecoder
 from .patches.registry import check_supported, family_of
@@ -58,8 +59,15 @@ def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **ove
         quantize(model, config.quantize, config.group_size, config.quantize_exclude)
     tp = resolve_tp(config.tensor_parallel)
     log = UndoLog()
+    split = model.__dict__.pop(SPLIT_ATTR, None)  # split already at load time (llmplug.parallel.load)
+    if split is not None:
+        if tp is None or tp.size != split[0].size:
+            model.__dict__[SPLIT_ATTR] = split
+            raise ValueError(f"the model was loaded split over {split[0].size} ranks: optimize it with "
+                             f"tensor_parallel={split[0].size}")
+        tp, log = split
     try:
-        if tp is not None:
+        if tp is not None and split is None:
             shard_model(model, tp, log)
         family = family_of(model) if config.fuse else None
         forward = FusedDecoder(model, family[0], family[1], log, tp) if family else hf_forward

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..patches.undo import UndoLog
 from ..quant.linear import QuantLinear
 from .group import TPGroup
+from .sources import InPlace
 
 _COLUMN = ("q_proj", "k_proj", "v_proj")
 _MLP_COLUMN = ("gate_proj", "up_proj")
@@ -47,45 +48,55 @@ def kv_heads_of(rank: int, num_heads: int, num_kv_heads: int, size: int) -> rang
     return range(first, first + kv)
 
 
-def _rows(heads: range, head_dim: int) -> torch.Tensor:
-    return torch.arange(heads.start * head_dim, heads.stop * head_dim)
+Ranges = list[tuple[int, int]]  # per rank, the [start, stop) of a dimension it keeps
 
 
-def _take(owner: torch.nn.Module, name: str, dim: int, indices: list[torch.Tensor], tp: TPGroup,
-          log: UndoLog) -> None:
-    """Keep ``owner.name``'s slices ``indices[tp.rank]`` along ``dim`` (equal sizes on every rank); undo gathers
-    them. A parameter keeps its object (its ``data`` changes); a buffer is set anew."""
-    t = getattr(owner, name)
-    full_shape = t.shape
-    sliced = t.data.index_select(dim, indices[tp.rank].to(t.device)).contiguous()
-    _put(owner, name, sliced)
+class _Split:
+    """One split in progress: the group, the undo log, where slices come from."""
 
-    def undo() -> None:
-        shard = getattr(owner, name).data
-        parts = tp.stack(shard)
-        full = torch.empty(full_shape, dtype=shard.dtype, device=shard.device)
-        for rank, index in enumerate(indices):
-            full.index_copy_(dim, index.to(shard.device), parts[rank])
-        _put(owner, name, full)
+    def __init__(self, tp: TPGroup, log: UndoLog, source) -> None:
+        self.tp, self.log, self.source = tp, log, source
 
-    log.record(undo)
+    def take(self, owner: torch.nn.Module, name: str, dim: int, ranges: Ranges) -> None:
+        """Keep ``owner.name``'s range ``ranges[rank]`` along ``dim`` (equal lengths on every rank); undo gathers
+        them."""
+        tp = self.tp
+        full_shape = getattr(owner, name).shape
+        _put(owner, name, self.source.part(owner, name, dim, *ranges[tp.rank]))
+
+        def undo() -> None:
+            parts = tp.stack(getattr(owner, name).data)
+            full = torch.empty(full_shape, dtype=parts.dtype, device=parts.device)
+            for rank, (start, stop) in enumerate(ranges):
+                full.narrow(dim, start, stop - start).copy_(parts[rank])
+            _put(owner, name, full)
+
+        self.log.record(undo)
+
+    def only_rank0(self, owner: torch.nn.Module, name: str) -> None:
+        """A row-parallel bias: added once, by rank 0 (zeros elsewhere); undo gives each rank its own again."""
+        t = getattr(owner, name)
+        if t is None or self.tp.rank == 0:
+            return
+        old = t.data
+        _put(owner, name, torch.zeros(t.shape, dtype=t.dtype, device=self.source.device(owner, name)))
+        self.log.record(lambda: _put(owner, name, old))
 
 
 def _put(owner: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """``owner.name = value``: a parameter keeps its object (a new one where it was on the meta device), a buffer is
+    set anew."""
     t = getattr(owner, name)
-    if isinstance(t, torch.nn.Parameter):
+    if isinstance(t, torch.nn.Parameter) and not t.is_meta and not value.is_meta:
         t.data = value
+    elif isinstance(t, torch.nn.Parameter):
+        setattr(owner, name, torch.nn.Parameter(value, requires_grad=False))
     else:
         setattr(owner, name, value)
 
 
-def _only_rank0(param: torch.Tensor | None, tp: TPGroup, log: UndoLog) -> None:
-    """A row-parallel bias: added once, by rank 0 (zeros elsewhere); undo gives each rank its own again."""
-    if param is None or tp.rank == 0:
-        return
-    old = param.data
-    param.data = torch.zeros_like(old)
-    log.record(lambda: setattr(param, "data", old))
+def _heads(heads: range, head_dim: int) -> tuple[int, int]:
+    return heads.start * head_dim, heads.stop * head_dim
 
 
 def _check_linear(module: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -98,39 +109,49 @@ def _check_linear(module: torch.nn.Module, name: str) -> torch.nn.Module:
                                                             if isinstance(module, QuantLinear) else ""))
 
 
-def _split_rows(lin: torch.nn.Module, rows: list[torch.Tensor], tp: TPGroup, log: UndoLog) -> None:
-    """Column-parallel: keep output rows ``rows[tp.rank]`` of a linear (quantized: its weights, scales, zeros)."""
+def _split_rows(split: _Split, lin: torch.nn.Module, rows: Ranges) -> None:
+    """Column-parallel: keep output rows ``rows[rank]`` of a linear (quantized: its weights, scales, zeros)."""
     names = ["weight"] if type(lin) is torch.nn.Linear else [n for n in ("qweight", "scales", "zeros")
                                                              if getattr(lin, n, None) is not None]
     for name in names + (["bias"] if lin.bias is not None else []):
-        _take(lin, name, 0, rows, tp, log)
-    log.set_attr(lin, "out_features", len(rows[tp.rank]))
+        split.take(lin, name, 0, rows)
+    start, stop = rows[split.tp.rank]
+    split.log.set_attr(lin, "out_features", stop - start)
 
 
-def _split_columns(lin: torch.nn.Module, cols: list[torch.Tensor], tp: TPGroup, log: UndoLog) -> None:
-    """Row-parallel: keep input columns ``cols[tp.rank]`` (contiguous ranges); the bias is rank 0's alone. An int4
-    linear's ranges must hold whole groups: its packed bytes and group scales split with them."""
+def _split_columns(split: _Split, lin: torch.nn.Module, cols: Ranges) -> None:
+    """Row-parallel: keep input columns ``cols[rank]``; the bias is rank 0's alone. An int4 linear's ranges must hold
+    whole groups: its packed bytes and group scales split with them."""
     if type(lin) is torch.nn.Linear or lin.method != "int4":
-        _take(lin, "weight" if type(lin) is torch.nn.Linear else "qweight", 1, cols, tp, log)
+        split.take(lin, "weight" if type(lin) is torch.nn.Linear else "qweight", 1, cols)
     else:
         group = lin.group_size
-        if len(cols[0]) % group:
-            raise ValueError(f"tensor_parallel={tp.size} splits {lin.in_features} int4 input features into "
-                             f"{len(cols[0])} a rank, not whole groups of {group}: quantize with a group size that "
-                             "divides them")
-        _take(lin, "qweight", 1, [c[::2] // 2 for c in cols], tp, log)
+        width = cols[0][1] - cols[0][0]
+        if width % group:
+            raise ValueError(f"tensor_parallel={split.tp.size} splits {lin.in_features} int4 input features into "
+                             f"{width} a rank, not whole groups of {group}: quantize with a group size that divides "
+                             "them")
+        split.take(lin, "qweight", 1, [(a // 2, b // 2) for a, b in cols])
         for name in ("scales", "zeros"):
-            _take(lin, name, 1, [c[::group] // group for c in cols], tp, log)
-    _only_rank0(lin.bias, tp, log)
-    log.set_attr(lin, "in_features", len(cols[tp.rank]))
+            split.take(lin, name, 1, [(a // group, b // group) for a, b in cols])
+    if lin.bias is not None:
+        split.only_rank0(lin, "bias")
+    start, stop = cols[split.tp.rank]
+    split.log.set_attr(lin, "in_features", stop - start)
 
 
-def shard_model(model: torch.nn.Module, tp: TPGroup, log: UndoLog) -> None:
-    """Split ``model``'s decoder layers, embedding and LM head over ``tp`` in place (module docstring)."""
+def shard_model(model: torch.nn.Module, tp: TPGroup, log: UndoLog, source=None) -> None:
+    """Split ``model``'s decoder layers, embedding and LM head over ``tp`` in place (module docstring).
+
+    Args:
+        source: where each rank's slices come from (:mod:`llmplug.parallel.sources`); None: the weights the model
+            holds. A model on the meta device takes every tensor the split leaves whole from it too.
+    """
     text = model.config.get_text_config()
     decoder = model.get_decoder()
+    split = _Split(tp, log, source if source is not None else InPlace())
     param = next(model.parameters())
-    tp.prepare(param.device, param.dtype)
+    tp.prepare(split.source.device(*_owner_of(model, param)), param.dtype)
     n_heads, n_kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     q_local, _ = head_split(n_heads, n_kv, tp.size)
     for i, layer in enumerate(decoder.layers):
@@ -144,25 +165,26 @@ def shard_model(model: torch.nn.Module, tp: TPGroup, log: UndoLog) -> None:
         if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.numel() != d:
             raise NotImplementedError(f"{type(attn).__name__} normalises q over all heads together "
                                       "(not per head): it does not split over tensor-parallel ranks")
-        q_rows = [_rows(range(r * q_local, (r + 1) * q_local), d) for r in range(tp.size)]
-        kv_rows = [_rows(kv_heads_of(r, n_heads, n_kv, tp.size), d) for r in range(tp.size)]
+        q_rows = [_heads(range(r * q_local, (r + 1) * q_local), d) for r in range(tp.size)]
+        kv_rows = [_heads(kv_heads_of(r, n_heads, n_kv, tp.size), d) for r in range(tp.size)]
         for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
-            _split_rows(_check_linear(getattr(attn, name), f"layer {i} self_attn.{name}"), rows, tp, log)
+            _split_rows(split, _check_linear(getattr(attn, name), f"layer {i} self_attn.{name}"), rows)
         o = _check_linear(attn.o_proj, f"layer {i} self_attn.o_proj")
-        _split_columns(o, q_rows, tp, log)
+        _split_columns(split, o, q_rows)
         inter = mlp.gate_proj.out_features
         if inter % tp.size:
             raise ValueError(f"tensor_parallel={tp.size} must divide the MLP's {inter} intermediate features")
         step = inter // tp.size
-        mlp_rows = [torch.arange(r * step, (r + 1) * step) for r in range(tp.size)]
+        mlp_rows = [(r * step, (r + 1) * step) for r in range(tp.size)]
         for name in _MLP_COLUMN:
-            _split_rows(_check_linear(getattr(mlp, name), f"layer {i} mlp.{name}"), mlp_rows, tp, log)
+            _split_rows(split, _check_linear(getattr(mlp, name), f"layer {i} mlp.{name}"), mlp_rows)
         down = _check_linear(mlp.down_proj, f"layer {i} mlp.down_proj")
-        _split_columns(down, mlp_rows, tp, log)
+        _split_columns(split, down, mlp_rows)
         for proj in (o, down):
             handle = proj.register_forward_hook(lambda module, args, out: tp.all_reduce(out))
             log.record(handle.remove)
-    _shard_vocab(model, text.vocab_size, tp, log)
+    _shard_vocab(split, model, text.vocab_size)
+    _fill_meta(split, model)
 
 
 def vocab_rows(vocab: int, tp: TPGroup) -> tuple[int, int]:
@@ -171,29 +193,33 @@ def vocab_rows(vocab: int, tp: TPGroup) -> tuple[int, int]:
     return tp.rank * rows, rows
 
 
-def _vocab_shard(param: torch.Tensor, vocab: int, tp: TPGroup, log: UndoLog) -> None:
-    """Keep ``param``'s vocabulary rows (zero-padded to ``ceil(V / size)``); undo gathers them."""
+def _vocab_shard(split: _Split, owner: torch.nn.Module, vocab: int) -> None:
+    """Keep ``owner.weight``'s vocabulary rows (zero-padded to ``ceil(V / size)``); undo gathers them."""
+    tp = split.tp
     first, rows = vocab_rows(vocab, tp)
-    full = param.data
-    shard = full[first:first + rows]
-    param.data = F.pad(shard, (0, 0, 0, rows - shard.shape[0])).contiguous()
+    shard = split.source.part(owner, "weight", 0, min(first, vocab), min(first + rows, vocab))
+    _put(owner, "weight", F.pad(shard, (0, 0, 0, rows - shard.shape[0])).contiguous())
 
     def undo() -> None:
-        param.data = tp.stack(param.data).reshape(tp.size * rows, -1)[:vocab].clone()
+        _put(owner, "weight", tp.stack(owner.weight.data).reshape(tp.size * rows, -1)[:vocab].clone())
 
-    log.record(undo)
+    split.log.record(undo)
 
 
-def _shard_vocab(model: torch.nn.Module, vocab: int, tp: TPGroup, log: UndoLog) -> None:
+def _shard_vocab(split: _Split, model: torch.nn.Module, vocab: int) -> None:
+    tp, log = split.tp, split.log
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if type(embed).forward is not torch.nn.Embedding.forward and not hasattr(embed, "embed_scale"):
         raise NotImplementedError(f"tensor parallelism splits nn.Embedding; the model's is {type(embed).__name__}")
-    if head is not None and head.weight is not embed.weight:
+    tied = head is not None and head.weight is embed.weight
+    if head is not None and not tied:
         if type(head) is not torch.nn.Linear or head.bias is not None:
             raise NotImplementedError(f"tensor parallelism splits an LM head that is a plain nn.Linear without bias; "
                                       f"the model's is {head!r} (keep lm_head out of quantization)")
-        _vocab_shard(head.weight, vocab, tp, log)
-    _vocab_shard(embed.weight, vocab, tp, log)
+        _vocab_shard(split, head, vocab)
+    _vocab_shard(split, embed, vocab)
+    if tied and head.weight is not embed.weight:  # the split made a new parameter (a model on the meta device)
+        head.weight = embed.weight
     first, rows = vocab_rows(vocab, tp)
 
     def embed_forward(input_ids: torch.Tensor) -> torch.Tensor:
@@ -208,3 +234,20 @@ def _shard_vocab(model: torch.nn.Module, vocab: int, tp: TPGroup, log: UndoLog) 
     if head is not None:
         handle = head.register_forward_hook(lambda module, args, out: tp.all_gather(out)[..., :vocab])
         log.record(handle.remove)
+
+
+def _owner_of(model: torch.nn.Module, param: torch.Tensor) -> tuple[torch.nn.Module, str]:
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is param:
+                return module, name
+    raise LookupError("parameter not in model")
+
+
+def _fill_meta(split: _Split, model: torch.nn.Module) -> None:
+    """Every parameter still on the meta device (left whole by the split: norms, rank 0's biases), read whole from the
+    source."""
+    for module in list(model.modules()):
+        for name, t in list(module._parameters.items()):
+            if t is not None and t.is_meta:
+                _put(module, name, split.source.whole(module, name))

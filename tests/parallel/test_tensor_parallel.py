@@ -153,3 +153,28 @@ def test_a_dead_rank_ends_the_others_with_an_error():
     of hanging."""
     outcome, seconds, message = run_ranks(2, _one_rank_dies, reporting=1, timeout=120)[0]
     assert outcome == "raised" and seconds < 60, (outcome, seconds, message)
+
+
+def _load_on_ranks(rank: int, path: str) -> dict:
+    model = llmplug.load_split(path, dtype=torch.float32, device="cpu")
+    q = model.model.layers[0].self_attn.q_proj.weight
+    out = {"generate": model.generate(**_inputs()), "q rows": q.shape[0],
+           "meta left": any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))}
+    llmplug.unoptimize(model)  # gathered whole: the checkpoint's tensors again
+    out["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: tied embeddings
+def test_load_split_reads_each_ranks_slices(family, tmp_path):
+    """Each rank builds the model on the meta device and reads only its slices of a sharded safetensors checkpoint:
+    the same greedy tokens as the whole model in one process."""
+    whole = _model(family, vocab_size=127)
+    whole.save_pretrained(tmp_path, max_shard_size="40KB")  # several shards and an index
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    expected = whole.generate(**_inputs())
+    for got in run_ranks(2, _load_on_ranks, str(tmp_path)):
+        assert torch.equal(got["generate"], expected)
+        assert got["q rows"] == whole.model.layers[0].self_attn.q_proj.weight.shape[0] // 2
+        assert not got["meta left"]
+        assert all(torch.equal(got["weights"][k], v) for k, v in whole.state_dict().items())

@@ -48,6 +48,16 @@ def build_parser(throughput_arguments: Callable[[argparse.ArgumentParser], None]
     spec.add_argument("--batches", type=_positive, nargs="+", default=[1, 8])
     spec.add_argument("--prompts", type=_positive, default=8, help="input-grounded prompts made from the stdlib")
     spec.add_argument("--oracle", action="store_true", help="CUDA: the oracle curve on --model (default llama-1b)")
+    tp = bench_sub.add_parser("tp", help="tensor parallelism: --model split over --tp processes (torchrun, launched "
+                                         "here) against one process; CPU: gloo on tiny-llama")
+    tp.add_argument("--tp", type=_positive, default=2, help="processes (GPUs) to split over (default 2)")
+    tp.add_argument("--batches", type=_positive, nargs="+", default=[1, 8])
+    tp.add_argument("--allreduce", nargs="+", choices=["nccl", "one_shot"], default=["nccl", "one_shot"],
+                    help="CUDA: split runs with every all-reduce on NCCL and/or small ones through symmetric memory")
+    tp.add_argument("--agreement", metavar="DIR", help="also greedy agreement of this trained model with one process")
+    tp.add_argument("--prompts", type=_positive, default=64, help="held-out prompts of --agreement")
+    tp.add_argument("--split-build", action="store_true", help="build --model split from the start (shapes too big "
+                                                               "for one GPU; no one-process run)")
     help_ = "serving benchmark of llmplug.Engine (workloads a-e, stock HF on a)"
     if throughput_arguments is None:
         bench_sub.add_parser("throughput", help=help_, add_help=False)

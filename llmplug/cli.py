@@ -84,6 +84,34 @@ def _speculative(args) -> int:
     return 0
 
 
+def _tp(args) -> int:
+    """``llmplug bench tp``: launches itself under ``torchrun`` on ``--tp`` processes, then runs on each rank."""
+    import json
+    import os
+
+    from .bench import tp
+
+    if "RANK" not in os.environ:
+        return tp.launch(args.tp, args.argv)
+    cuda = torch.cuda.is_available()
+    report = tp.run(args.model or ("llama-8b" if cuda else "tiny-llama"), tuple(args.batches),
+                    args.new_tokens or (256 if cuda else 16), args.repeats if cuda else 1, tuple(args.allreduce),
+                    args.agreement, args.prompts, args.split_build)
+    if report is not None:
+        print("\n".join(tp.table(report)), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+            print(f"saved {args.out}")
+        if not cuda:
+            print("(CPU: gloo between processes, for correctness; the speed-up is a multi-GPU story)")
+        compared = [r["identical"] for r in report["rows"] if "identical" in r]
+        if compared:
+            print(f"split greedy outputs identical to one process: {'yes' if all(compared) else 'NO'}")
+        return 0 if all(compared) else 1
+    return 0
+
+
 def _run(args) -> int:
     """Run the parsed command with ``--threads`` intra-op threads (on CPU one by default), restoring torch's count."""
     threads = args.threads if args.threads is not None else (1 if torch.device(args.device).type == "cpu" else None)
@@ -97,6 +125,8 @@ def _run(args) -> int:
             return throughput.main(args)
         if args.bench_command == "speculative":
             return _speculative(args)
+        if args.bench_command == "tp":
+            return _tp(args)
         return _bench(args)
     finally:
         torch.set_num_threads(before)
@@ -109,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import throughput
 
     args = build_parser(throughput.add_arguments).parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a relaunch under torchrun passes on
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return _run(args)

@@ -158,3 +158,18 @@ def test_bench_speculative_on_cpu(tmp_path, capsys):
                                                             "llmplug-stdlib-small-eagle3")] + \
         [(b, p) for b in (1, 2) for p in ("none", "prompt lookup", "llmplug-stdlib-draft")]  # the Engine's
     assert "| llmplug-stdlib-small (Engine) | 2 | llmplug-stdlib-draft |" in text
+
+
+def test_bench_tp_launches_torchrun_on_cpu(tmp_path):
+    """``llmplug bench tp --tp 2`` relaunches itself under torchrun (two gloo processes): tiny-llama split over both
+    ranks gives one process's tokens; rank 0 writes the report."""
+    out = tmp_path / "tp.json"
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "llmplug.cli", "bench", "--new-tokens", "8", "--out", str(out), "tp",
+                           "--tp", "2", "--batches", "1", "3"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "split greedy outputs identical to one process: yes" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tp"], r["batch"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert all(r["identical"] for r in rows if r["tp"] == 2)

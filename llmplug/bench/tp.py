@@ -1,0 +1,190 @@
+"""Tensor parallelism's benchmark (``llmplug bench [--model M] tp --tp N``), one ``torchrun`` job that the command
+launches itself.
+
+Rank 0 alone runs the shape first (TP=1), then every rank runs it split (TP = world size); greedy ``generate`` of
+128-token prompts, median of ``repeats`` timed calls after a warm-up, the weights made decisive
+(:func:`llmplug.bench.spec.decisive`) so that both runs must give the same tokens. On CUDA the split runs once with
+every all-reduce on NCCL and once with small ones through symmetric memory (``LLMPLUG_TP_ALLREDUCE=one_shot``), and
+the all-reduce's latency inside a CUDA graph is measured both ways. ``split_build`` builds a shape too big for one GPU
+split from the start (random values, no TP=1 run, the fraction of each rank's read roofline instead). ``agreement``:
+greedy agreement of a trained model at TP=N with TP=1.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import llmplug
+
+from ..parallel.group import TPGroup
+from ..parallel.load import build_split
+from ..state import state_of
+from .shapes import SHAPES, build, weight_bytes
+from .spec import decisive, held_out_files, timed
+from .timing import ceilings
+
+# NVLink multicast can put a shared host's GPUs out of service: off for every job this launches
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Run ``llmplug <argv>`` under ``torchrun`` on ``nproc`` processes of this host (multicast off)."""
+    env = {**os.environ, **SAFE_ENV}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+           "llmplug.cli", *argv]
+    return subprocess.run(cmd, env=env).returncode
+
+
+def allreduce_us(reduce, numel: int, reps: int = 64) -> float:
+    """Microseconds of one ``reduce(x)`` of ``numel`` bf16 values, ``reps`` of them captured in one CUDA graph."""
+    x = torch.ones(numel, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            reduce(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            reduce(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / 10 / reps
+
+
+def decode(model, batch: int, new_tokens: int, repeats: int, device: str) -> tuple[float, torch.Tensor]:
+    """Output tok/s of greedy ``generate`` over ``batch`` random 128-token prompts, and its tokens."""
+    ids = torch.randint(3, model.config.vocab_size, (batch, 128), generator=torch.Generator().manual_seed(batch))
+    ids = ids.to(device)
+    gen = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+    secs, out = timed(functools.partial(model.generate, **gen), repeats, device)
+    return batch * new_tokens / secs, out.cpu()
+
+
+def agreement(path: str, rank: int, world: int, prompts: int, new_tokens: int = 32, device: str = "cuda",
+              dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """Greedy agreement of the trained model at TP = world with TP=1 (rank 0 alone): the fraction of held-out
+    prompts (each the first 64 tokens of a held-out stdlib file) whose ``new_tokens`` continuations are identical.
+    None on ranks other than 0."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    rows = []
+    for f in held_out_files():
+        ids = tokenizer(f.read_text(errors="ignore"))["input_ids"]
+        if len(ids) >= 64:
+            rows.append(ids[:64])
+        if len(rows) == prompts:
+            break
+    ids = torch.tensor(rows, device=device)
+    gen = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+               min_new_tokens=new_tokens)
+    one = None
+    if rank == 0:
+        model = llmplug.optimize(build(path, dtype, device))
+        one = model.generate(**gen).cpu()
+        llmplug.unoptimize(model)
+        del model
+    dist.barrier()
+    model = llmplug.optimize(build(path, dtype, device), tensor_parallel="auto")
+    split = model.generate(**gen).cpu()
+    llmplug.unoptimize(model)
+    if rank != 0:
+        return None
+    same = (split == one).all(dim=1)
+    print(f"greedy agreement of TP={world} with TP=1 on {path}: {int(same.sum())} of {len(rows)} prompts identical "
+          f"over {new_tokens} tokens", flush=True)
+    return float(same.float().mean())
+
+
+def run(model_name: str, batches=(1, 8), new_tokens: int = 256, repeats: int = 3, allreduce=("nccl", "one_shot"),
+        agreement_model: str | None = None, prompts: int = 64, split_build: bool = False) -> dict | None:
+    """The benchmark on this rank (under ``torchrun``; initialises the process group) -> the report on rank 0."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=120))
+    report = {"model": model_name, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "torch": torch.__version__, "ceilings": ceilings(device), "allreduce_us_in_graph": {}, "rows": []}
+    if cuda:
+        group = TPGroup(rank, world)
+        os.environ["LLMPLUG_TP_ALLREDUCE"] = "one_shot"
+        group.prepare(torch.device(device), torch.bfloat16)
+        for numel in (4096, 32768, 131072):  # 8 KB: one batch-1 8B hidden state; 64 KB: batch 8; 256 KB: batch 32
+            report["allreduce_us_in_graph"][2 * numel] = {"nccl": allreduce_us(dist.all_reduce, numel),
+                                                          "one_shot": allreduce_us(group.all_reduce, numel)}
+    else:
+        allreduce = ("nccl",)  # gloo: one way only
+    reference = {}
+    if rank == 0 and not split_build:
+        torch.manual_seed(0)
+        model = llmplug.optimize(decisive(build(model_name, dtype, device)))
+        for b in batches:
+            tok_s, reference[b] = decode(model, b, new_tokens, repeats, device)
+            report["rows"].append({"tp": 1, "batch": b, "tok_s": tok_s})
+        llmplug.unoptimize(model)
+        del model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    dist.barrier()
+    for mode in allreduce:  # the same weights split, every all-reduce on NCCL or small ones one-shot
+        os.environ["LLMPLUG_TP_ALLREDUCE"] = mode
+        torch.manual_seed(0)
+        if split_build:
+            model = build_split(SHAPES[model_name](), dtype, device)
+            model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+        else:
+            model = llmplug.optimize(decisive(build(model_name, dtype, device)), tensor_parallel="auto")
+        rank_bytes = weight_bytes(model)
+        for b in batches:
+            tok_s, out = decode(model, b, new_tokens, repeats, device)
+            row = {"tp": world, "allreduce": mode if cuda else "gloo", "batch": b, "tok_s": tok_s,
+                   "rank_weight_bytes": rank_bytes}
+            if b in reference:
+                one = next(r for r in report["rows"] if r["tp"] == 1 and r["batch"] == b)
+                row.update(speedup=tok_s / one["tok_s"], identical=torch.equal(out, reference[b]))
+            if b == 1 and report["ceilings"]:
+                row["fraction_of_rank_roofline"] = tok_s * rank_bytes / report["ceilings"]["read_bytes_per_s"]
+            report["rows"].append(row)
+        if split_build:  # too big to gather back: drop its pool and graphs (they hold NCCL work) before the group
+            state_of(model).runner.release()
+        else:
+            llmplug.unoptimize(model)
+        del model
+        gc.collect()
+    if agreement_model:
+        report["agreement"] = agreement(agreement_model, rank, world, prompts, device=device, dtype=dtype)
+    dist.barrier()
+    dist.destroy_process_group()
+    return report if rank == 0 else None
+
+
+def table(report: dict) -> list[str]:
+    lines = [f"all-reduce in a CUDA graph, us by bytes: {report['allreduce_us_in_graph']}"] \
+        if report["allreduce_us_in_graph"] else []
+    lines += ["| tp | all-reduce | batch | tok/s | speed-up | identical | of the rank's read roofline |",
+              "| ---: | --- | ---: | ---: | ---: | --- | ---: |"]
+    for r in report["rows"]:
+        same = "" if "identical" not in r else ("yes" if r["identical"] else "NO")
+        roof = f"{r['fraction_of_rank_roofline']:.1%}" if "fraction_of_rank_roofline" in r else ""
+        speedup = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+        lines.append(f"| {r['tp']} | {r.get('allreduce', '')} | {r['batch']} | {r['tok_s']:,.1f} | {speedup} | "
+                     f"{same} | {roof} |")
+    return lines

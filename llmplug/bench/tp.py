@@ -80,16 +80,16 @@ def decode(model, batch: int, new_tokens: int, repeats: int, device: str) -> tup
 def agreement(path: str, rank: int, world: int, prompts: int, new_tokens: int = 32, device: str = "cuda",
               dtype: torch.dtype = torch.bfloat16) -> float | None:
     """Greedy agreement of the trained model at TP = world with TP=1 (rank 0 alone): the fraction of held-out
-    prompts (each the first 64 tokens of a held-out stdlib file) whose ``new_tokens`` continuations are identical.
-    None on ranks other than 0."""
+    prompts (64-token windows every 512 tokens of the held-out stdlib files) whose ``new_tokens`` continuations are
+    identical. None on ranks other than 0."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     rows = []
     for f in held_out_files():
         ids = tokenizer(f.read_text(errors="ignore"))["input_ids"]
-        if len(ids) >= 64:
-            rows.append(ids[:64])
-        if len(rows) == prompts:
+        rows += [ids[i:i + 64] for i in range(0, len(ids) - 64 + 1, 512)]
+        if len(rows) >= prompts:
             break
+    rows = rows[:prompts]
     ids = torch.tensor(rows, device=device)
     gen = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                min_new_tokens=new_tokens)

@@ -21,6 +21,7 @@ from ..kv.swap import SwapSpace
 from ..state import ensure_state
 from .engine_ring import EngineRing
 from .engine_spec import EngineSpeculation
+from .engine_tp import RankZeroMixin, RankZeroRequests
 from .host_read import HostRead
 from .metrics import EngineMetrics
 from .params import EngineConfig, SamplingParams
@@ -57,7 +58,7 @@ class _Pending:
         return self.read.values()
 
 
-class Engine(ServingMixin):
+class Engine(ServingMixin, RankZeroMixin):
     """Continuous-batching generation on one model (optimized in place with llmplug if it is not already).
 
     Args:
@@ -101,6 +102,8 @@ class Engine(ServingMixin):
         self.speculation = EngineSpeculation(self)
         self.scheduler.on_release = self.speculation.release
         self.ring = EngineRing(self)
+        tp = self.runner.tp  # requests enter on rank 0 (engine_tp); the other ranks follow()
+        self.tp_requests = RankZeroRequests(self, tp) if tp is not None else None
 
     # ---- submission --------------------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -380,9 +383,12 @@ class Engine(ServingMixin):
             self._close(request, finished)
 
     def _take_inbox(self, finished: list[RequestOutput]) -> None:
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
+        if self.tp_requests is not None:  # every rank takes rank 0's new requests and aborts
+            inbox, aborts = self.tp_requests.exchange()
+        else:
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
         if inbox:  # new prompts must not match KV computed with weights changed since
             self.runner.forget_stale_prefixes()
         for request in inbox:

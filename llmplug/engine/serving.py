@@ -112,6 +112,8 @@ class ServingMixin:
         try:
             while not self._stopping:
                 if not self.scheduler.has_work() and self._pending is None and not self._inbox and not self._aborts:
+                    if self.tp_requests is not None:  # idle under tensor parallelism: keep the followers' steps
+                        self.step()  # coming, within their collectives' timeout
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue

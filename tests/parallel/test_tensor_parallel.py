@@ -178,3 +178,42 @@ def test_load_split_reads_each_ranks_slices(family, tmp_path):
         assert got["q rows"] == whole.model.layers[0].self_attn.q_proj.weight.shape[0] // 2
         assert not got["meta left"]
         assert all(torch.equal(got["weights"][k], v) for k, v in whole.state_dict().items())
+
+
+def _engine_rank0_entry(rank: int) -> dict:
+    model = llmplug.optimize(_model("llama"), tensor_parallel="auto")
+    engine = llmplug.Engine(model)
+    if rank != 0:
+        engine.follow()  # rank 0's requests, steps and sampled tokens, until it releases us
+        stray = engine.add_request([5, 6, 7])
+        try:
+            engine.follow()
+        except RuntimeError as error:
+            refused = "takes rank 0's only" in str(error)
+        engine.abort(stray)
+        return {"refused": refused}
+    rows = [[t for t in r if t] for r in _inputs()["input_ids"].tolist()]
+    params = [llmplug.SamplingParams(max_new_tokens=12, temperature=0.0),
+              llmplug.SamplingParams(max_new_tokens=12, temperature=1.2, top_p=0.9, seed=3),
+              llmplug.SamplingParams(max_new_tokens=12, temperature=0.0, speculative=llmplug.SpeculativeConfig())]
+    outs = engine.generate(rows, params, progress=False)
+    doomed = engine.add_request(rows[0], llmplug.SamplingParams(max_new_tokens=50, temperature=0.0))
+    engine.step()
+    engine.abort(doomed)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.release_followers()
+    return {"tokens": [o.outputs[0].token_ids for o in outs]}
+
+
+def test_engine_requests_enter_on_rank_0():
+    """Only rank 0 takes requests (greedy, seeded sampling, prompt lookup, an abort); the other rank follows its
+    steps and ends when released (a following rank with requests of its own is refused); rank 0's greedy outputs
+    equal one process's. (The other tests run the Engine on every rank with the same calls.)"""
+    rank0, rank1 = run_ranks(2, _engine_rank0_entry)
+    assert rank1 == {"refused": True}
+    solo = llmplug.Engine(llmplug.optimize(_model("llama")))
+    rows = [[t for t in r if t] for r in _inputs()["input_ids"].tolist()]
+    expected = solo.generate(rows, llmplug.SamplingParams(max_new_tokens=12, temperature=0.0), progress=False)
+    assert rank0["tokens"][0] == expected[0].outputs[0].token_ids
+    assert rank0["tokens"][2] == expected[2].outputs[0].token_ids

@@ -167,3 +167,23 @@ def test_cli_and_script(tmp_path, monkeypatch, capsys):
         runpy.run_path(str(script), run_name="__main__")
     assert done.value.code == 0
     assert "| c |" in capsys.readouterr().out
+
+
+def test_throughput_under_tensor_parallelism_on_cpu(tmp_path):
+    """``llmplug bench throughput --tp 2`` relaunches itself under torchrun (two gloo processes): every rank serves the
+    same workload through the split model; rank 0 reports, every request at full length."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "tp.json"
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "llmplug.cli", "bench", "throughput", "--tp", "2", "--workloads", "b",
+                           "--scale", "0.02", "--out", str(out)], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["tp"] == 2 and res["runs"]["b"]["all_full_length"] and not res["runs"]["b"]["errors"]

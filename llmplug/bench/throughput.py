@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -423,6 +424,9 @@ def add_arguments(p: argparse.ArgumentParser, default_out: str | None = None) ->
     p.add_argument("--out", default=default_out, help="results JSON file, or a directory for a dated file name; the "
                                                       "markdown table and the online plot go next to it")
     p.add_argument("--commit", help="commit to record where git has no history (the device machine's copy)")
+    p.add_argument("--tp", type=int, default=1, help="split the model over this many processes (GPUs): launches "
+                                                     "itself under torchrun; every rank serves the same workloads, "
+                                                     "rank 0 reports (no stock HF run)")
     p.add_argument("--from-json", help="print the table and draw the plot of a saved result; run nothing")
 
 
@@ -437,6 +441,22 @@ def _paths(out: str | None, res: dict) -> tuple[Path, Path, Path] | None:
     return path, path.with_suffix(".md"), path.with_name(path.stem + "_online.png")
 
 
+def _join_group(args: argparse.Namespace) -> int:
+    """Under torchrun: this process's GPU and the process group (NCCL on CUDA, gloo on CPU) -> its rank; the progress
+    bars of ranks other than 0 are silenced."""
+    from datetime import timedelta
+
+    rank = int(os.environ["RANK"])
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        args.device = f"cuda:{torch.cuda.current_device()}"
+    torch.distributed.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
+                                         timeout=timedelta(seconds=300))
+    if rank:
+        os.environ["TQDM_DISABLE"] = "1"
+    return rank
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the suite (or re-render ``--from-json``); print the markdown table; write JSON, table and plot."""
     if args.from_json:
@@ -446,6 +466,15 @@ def main(args: argparse.Namespace) -> int:
         if drawn:
             print(f"plot: {drawn}")
         return 0
+    rank = 0
+    if args.tp > 1:
+        if "RANK" not in os.environ:  # relaunch under torchrun
+            from .tp import launch
+
+            if getattr(args, "argv", None) is None:
+                raise SystemExit("--tp runs through the llmplug command: llmplug bench throughput --tp N ...")
+            return launch(args.tp, args.argv)
+        rank = _join_group(args)
     cuda = torch.device(args.device).type == "cuda"
     model = args.model or ("llama-8b" if cuda else "tiny-llama")
     dtype = _DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
@@ -455,20 +484,32 @@ def main(args: argparse.Namespace) -> int:
                                  slo_tpot_s=args.slo_tpot, greedy_ring=args.greedy_ring)
     blocks = args.kv_blocks if args.kv_blocks is not None else (None if cuda else 2048)
     optimize_config = OptimizeConfig(kv_num_blocks=blocks, kv_memory_fraction=args.kv_memory_fraction,
-                                     max_model_len=args.max_model_len)
+                                     max_model_len=args.max_model_len,
+                                     tensor_parallel="auto" if args.tp > 1 else None)
     paths = None
 
     def save(res: dict) -> None:
         nonlocal paths
+        if rank != 0:
+            return
         if args.commit and not res["env"]["commit"]:
             res["env"]["commit"] = args.commit
         paths = paths or _paths(args.out, res)
         if paths:
             report.save(res, paths[0])
 
+    torch.manual_seed(0)  # the same random weights on every rank
     res = run(model, args.device, dtype, tuple(args.workloads), scale=scale, rates=tuple(args.rates),
-              online_requests=args.online_requests, stock=not args.no_stock, stock_requests=args.stock_requests,
-              engine_config=engine_config, optimize_config=optimize_config, save=save)
+              online_requests=args.online_requests, stock=not args.no_stock and args.tp == 1,
+              stock_requests=args.stock_requests, engine_config=engine_config, optimize_config=optimize_config,
+              save=save)
+    if args.tp > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        if rank != 0:
+            return 0
+        res["tp"] = args.tp
+        save(res)
     lines = table(res)
     print("\n".join(lines))
     if not cuda:

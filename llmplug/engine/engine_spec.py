@@ -272,6 +272,8 @@ class EngineSpeculation:
                 tokens, emitted = rejection_sample(probs.view(len(group), k + 1, -1), drafted[rows], counts[rows],
                                                    generators=[generator_of(seqs[i], dev) for i in group])
             out[rows] = torch.cat([tokens, emitted[:, None]], dim=1)
+        if sampled and engine.runner.tp is not None:
+            engine.runner.tp.broadcast(out)  # rank 0's draws everywhere (greedy acceptance agrees by itself)
         now = time.perf_counter()
         kept = []
         for seq, d, f, row in zip(seqs, drafts, fill, out.tolist()):  # one read of the device

@@ -47,6 +47,7 @@ class RankZeroRequests:
         self.device = tp._device()
         self.stop = False  # rank 0: tell the followers to return; elsewhere: rank 0 said so
         self.following = False  # this rank takes rank 0's requests (Engine.follow) rather than its callers' own
+        self.outputs: list = []  # a following rank's finished requests, for follow() to return
         self.wait_s = 60.0  # how long a rank waits for its own caller to give it a request rank 0 took
 
     def exchange(self) -> tuple[list, list[str]]:
@@ -68,7 +69,8 @@ class RankZeroRequests:
         ids, aborts = [r["id"] for r in message["requests"]], message["aborts"]
         if self.following:
             for r in message["requests"]:
-                engine.add_request(r["prompt"], _params_of(r["params"]), request_id=r["id"])
+                engine.add_request(r["prompt"], _params_of(r["params"]), request_id=r["id"],
+                                   on_event=self.outputs.append, stream=False)
         deadline = time.monotonic() + self.wait_s
         while True:
             with engine._lock:
@@ -101,21 +103,23 @@ class RankZeroMixin:
     """``follow`` and ``release_followers`` of :class:`~llmplug.Engine` (its ``tp_requests``: :class:`RankZeroRequests`
     under tensor parallelism, else None)."""
 
-    def follow(self) -> None:
+    def follow(self) -> list:
         """Under tensor parallelism, on every rank but 0: run rank 0's steps (its requests, aborts and sampled tokens)
-        until rank 0 calls :meth:`release_followers`. (Or every rank makes the same engine calls itself; the engine
-        checks each step that they did.)"""
+        until rank 0 calls :meth:`release_followers` -> the :class:`~llmplug.RequestOutput` of every request that
+        finished meanwhile (rank 0's outputs, in finish order). (Or every rank makes the same engine calls itself;
+        the engine checks each step that they did.)"""
         tp = self.tp_requests
         if tp is None or tp.tp.rank == 0:
             raise RuntimeError("follow() is for the ranks other than 0 of a tensor-parallel engine")
         if self.has_unfinished_requests():
             raise RuntimeError(f"rank {tp.tp.rank} has requests of its own: a following rank takes rank 0's only")
-        tp.stop, tp.following = False, True
+        tp.stop, tp.following, tp.outputs = False, True, []
         try:
             while not tp.stop:
                 self.step()
         finally:
             tp.following = False
+        return tp.outputs
 
     def release_followers(self) -> None:
         """On rank 0 of a tensor-parallel engine: one more step, which ends the other ranks' :meth:`follow` (stop the

@@ -183,27 +183,31 @@ def test_load_split_reads_each_ranks_slices(family, tmp_path):
 def _engine_rank0_entry(rank: int) -> dict:
     model = llmplug.optimize(_model("llama"), tensor_parallel="auto")
     engine = llmplug.Engine(model)
+    torch.manual_seed(100 + rank)  # ranks seeded apart: every draw must be rank 0's
     if rank != 0:
-        engine.follow()  # rank 0's requests, steps and sampled tokens, until it releases us
+        ran = engine.follow()  # rank 0's requests, steps and sampled tokens, until it releases us
+        tokens = {o.request_id: o.outputs[0].token_ids for o in ran}
         stray = engine.add_request([5, 6, 7])
         try:
             engine.follow()
         except RuntimeError as error:
             refused = "takes rank 0's only" in str(error)
         engine.abort(stray)
-        return {"refused": refused}
+        return {"refused": refused, "tokens": tokens}
     rows = [[t for t in r if t] for r in _inputs()["input_ids"].tolist()]
     params = [llmplug.SamplingParams(max_new_tokens=12, temperature=0.0),
               llmplug.SamplingParams(max_new_tokens=12, temperature=1.2, top_p=0.9, seed=3),
               llmplug.SamplingParams(max_new_tokens=12, temperature=0.0, speculative=llmplug.SpeculativeConfig())]
     outs = engine.generate(rows, params, progress=False)
+    spec = llmplug.SamplingParams(max_new_tokens=12, temperature=1.3, speculative=llmplug.SpeculativeConfig())
+    outs += engine.generate(rows, spec, progress=False)  # sampled and verified by rejection sampling
     doomed = engine.add_request(rows[0], llmplug.SamplingParams(max_new_tokens=50, temperature=0.0))
     engine.step()
     engine.abort(doomed)
     while engine.has_unfinished_requests():
         engine.step()
     engine.release_followers()
-    return {"tokens": [o.outputs[0].token_ids for o in outs]}
+    return {"tokens": {o.request_id: o.outputs[0].token_ids for o in outs}}
 
 
 def test_engine_requests_enter_on_rank_0():
@@ -211,9 +215,11 @@ def test_engine_requests_enter_on_rank_0():
     steps and ends when released (a following rank with requests of its own is refused); rank 0's greedy outputs
     equal one process's. (The other tests run the Engine on every rank with the same calls.)"""
     rank0, rank1 = run_ranks(2, _engine_rank0_entry)
-    assert rank1 == {"refused": True}
+    assert rank1["refused"]
+    doomed = set(rank1["tokens"]) - set(rank0["tokens"])  # the aborted request: only the follower reports it
+    assert len(doomed) == 1 and {k: v for k, v in rank1["tokens"].items() if k not in doomed} == rank0["tokens"]
     solo = llmplug.Engine(llmplug.optimize(_model("llama")))
     rows = [[t for t in r if t] for r in _inputs()["input_ids"].tolist()]
     expected = solo.generate(rows, llmplug.SamplingParams(max_new_tokens=12, temperature=0.0), progress=False)
-    assert rank0["tokens"][0] == expected[0].outputs[0].token_ids
-    assert rank0["tokens"][2] == expected[2].outputs[0].token_ids
+    got = list(rank0["tokens"].values())  # in submission order
+    assert got[0] == expected[0].outputs[0].token_ids and got[2] == expected[2].outputs[0].token_ids

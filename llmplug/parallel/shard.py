@@ -147,6 +147,10 @@ def shard_model(model: torch.nn.Module, tp: TPGroup, log: UndoLog, source=None) 
         source: where each rank's slices come from (:mod:`llmplug.parallel.sources`); None: the weights the model
             holds. A model on the meta device takes every tensor the split leaves whole from it too.
     """
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise NotImplementedError("the model was loaded with transformers' tp_plan (DTensor weights): load it plainly "
+                                  "and optimize(model, tensor_parallel=...), or llmplug.load_split(path) to read only "
+                                  "each rank's slices")
     text = model.config.get_text_config()
     decoder = model.get_decoder()
     split = _Split(tp, log, source if source is not None else InPlace())

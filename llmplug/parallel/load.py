@@ -11,6 +11,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from ..patches.undo import UndoLog
+from ..quant.hf_quantizer import LlmplugQuantConfig, replace_with_empty_quant_linears
+from ..quant.quantize import QUANT_ATTR
 from .group import resolve
 from .shard import shard_model
 from .sources import Checkpoint, RandomInit
@@ -47,8 +49,17 @@ def _split(config, make_source, dtype: torch.dtype, device: torch.device, tensor
     from ..api import optimize
 
     tp = resolve(tensor_parallel)
+    saved = getattr(config, "quantization_config", None)
+    quant = None
+    if saved is not None:  # an llmplug-quantized checkpoint: its quantized linears, empty, before the split
+        quant = LlmplugQuantConfig(**{k: v for k, v in dict(saved).items() if k != "quant_method"})
+        del config.quantization_config  # transformers would look for a quantizer while building
     with torch.device(device), _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    if quant is not None:
+        model.config.quantization_config = saved
+        modules = replace_with_empty_quant_linears(model, quant)
+        model.__dict__[QUANT_ATTR] = {"method": quant.method, "group_size": quant.group_size, "modules": modules}
     log = UndoLog()
     shard_model(model, tp, log, make_source(model))
     model.__dict__[SPLIT_ATTR] = (tp, log)
@@ -57,9 +68,9 @@ def _split(config, make_source, dtype: torch.dtype, device: torch.device, tensor
 
 def load_split(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device=None,
                tensor_parallel: int | str = "auto", **overrides) -> torch.nn.Module:
-    """An HF causal LM from a local safetensors checkpoint, split over the ``torch.distributed`` ranks and optimized:
-    every rank reads only its slices (a 70B model on four GPUs never needs a whole copy anywhere). With one process
-    it is ``from_pretrained`` and :func:`llmplug.optimize`.
+    """An HF causal LM from a local safetensors checkpoint (dense, or written by :func:`llmplug.save_quantized`), split
+    over the ``torch.distributed`` ranks and optimized: every rank reads only its slices (a 70B model on four
+    GPUs never needs a whole copy anywhere). With one process it is ``from_pretrained`` and :func:`llmplug.optimize`.
 
     Args:
         path: a checkpoint directory (``config.json``, ``model.safetensors`` or shards with an index); no remote code

@@ -249,9 +249,10 @@ def _owner_of(model: torch.nn.Module, param: torch.Tensor) -> tuple[torch.nn.Mod
 
 
 def _fill_meta(split: _Split, model: torch.nn.Module) -> None:
-    """Every parameter still on the meta device (left whole by the split: norms, rank 0's biases), read whole from the
-    source."""
+    """Every parameter still on the meta device (left whole by the split: norms, rank 0's biases), and every meta
+    buffer the source holds, read whole from the source."""
+    stored = getattr(split.source, "key", lambda module, name: None)
     for module in list(model.modules()):
-        for name, t in list(module._parameters.items()):
-            if t is not None and t.is_meta:
+        for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+            if t is not None and t.is_meta and (name in module._parameters or stored(module, name) is not None):
                 _put(module, name, split.source.whole(module, name))

@@ -27,8 +27,8 @@ class InPlace:
 
 class Checkpoint:
     """The tensors of a local safetensors checkpoint (``model.safetensors`` or shards with an index) under the
-    model's state-dict names, read slice by slice (``safe_open(...).get_slice``), cast to ``dtype`` where floating
-    point, on ``device``.
+    model's state-dict names, read slice by slice (``safe_open(...).get_slice``), in the dtype of the (meta) tensor
+    each replaces, on ``device``.
 
     Args:
         path: the checkpoint directory.
@@ -76,7 +76,8 @@ class Checkpoint:
                 index = [slice(None)] * len(part.get_shape())
                 index[dim] = slice(start, stop)
                 t = part[tuple(index)]
-        return t.to(self.target, dtype=self.dtype if t.is_floating_point() else t.dtype).contiguous()
+        like = getattr(owner, name)  # the meta tensor it replaces: its dtype (fp32 scales stay fp32)
+        return t.to(self.target, dtype=like.dtype if like is not None else t.dtype).contiguous()
 
     def part(self, owner: torch.nn.Module, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         return self._read(owner, name, dim, start, stop)

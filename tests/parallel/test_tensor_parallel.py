@@ -223,3 +223,21 @@ def test_engine_requests_enter_on_rank_0():
     expected = solo.generate(rows, llmplug.SamplingParams(max_new_tokens=12, temperature=0.0), progress=False)
     got = list(rank0["tokens"].values())  # in submission order
     assert got[0] == expected[0].outputs[0].token_ids and got[2] == expected[2].outputs[0].token_ids
+
+
+def _load_quantized_on_ranks(rank: int, path: str) -> torch.Tensor:
+    model = llmplug.load_split(path, dtype=torch.float32, device="cpu")
+    assert model.model.layers[0].mlp.down_proj.in_features == 128  # half of the 256 input features
+    return model.generate(**_inputs())
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_load_split_reads_quantized_checkpoints(method, tmp_path):
+    """An llmplug-quantized checkpoint loads split (each rank reads its slices of the packed weights and scales) and
+    gives the tokens of the same checkpoint in one process."""
+    model = _model("llama", hidden_size=128, intermediate_size=256)
+    llmplug.quantize(model, method, group_size=32)
+    llmplug.save_quantized(model, tmp_path, max_shard_size="60KB")
+    expected = llmplug.optimize(llmplug.from_quantized(tmp_path)).generate(**_inputs())
+    for got in run_ranks(2, _load_quantized_on_ranks, str(tmp_path)):
+        assert torch.equal(got, expected)

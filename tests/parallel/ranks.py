@@ -47,11 +47,14 @@ class _Array:
         return torch.from_numpy(self.bytes.copy()).view(self.dtype).reshape(self.shape)
 
 
-def _worker(rank: int, size: int, store: str, fn, args, queue) -> None:
+def _worker(rank: int, size: int, store: str, fn, args, queue, backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size,
+        if backend == "nccl":  # one GPU a rank, NVLink multicast off (it can take a shared host's GPUs down)
+            os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=size,
                                 timeout=timedelta(seconds=60))
         queue.put((rank, _detached(fn(rank, *args)), None))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -61,15 +64,16 @@ def _worker(rank: int, size: int, store: str, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
-def run_ranks(size: int, fn, *args, timeout: float = 300.0, reporting: int | None = None) -> list:
-    """``fn(rank, *args)`` on ``size`` processes (a module-level function); its results by rank (None for a rank
-    that never reported, when only ``reporting`` of them are expected to). Raises with a rank's traceback if one
-    failed."""
+def run_ranks(size: int, fn, *args, timeout: float = 300.0, reporting: int | None = None,
+              backend: str = "gloo") -> list:
+    """``fn(rank, *args)`` on ``size`` processes (a module-level function) joined by ``backend`` (``"nccl"``: one GPU
+    a rank); its results by rank (None for a rank that never reported, when only ``reporting`` of them are expected
+    to). Raises with a rank's traceback if one failed."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, size, store, fn, args, queue)) for r in range(size)]
+        procs = [ctx.Process(target=_worker, args=(r, size, store, fn, args, queue, backend)) for r in range(size)]
         for p in procs:
             p.start()
         results: dict[int, object] = {}

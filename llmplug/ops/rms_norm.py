@@ -108,7 +108,9 @@ def _launch(x, weight, out, eps, offset, residual=None, residual_out=None):
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     if not use_triton(x):
         return rms_norm_ref(x, weight, eps, offset)
-    assert x.dim() in (2, 3) and x.stride(-1) == 1, "x must be (R, N) or (T, H, N) with unit stride on the last dim"
+    if x.dim() not in (2, 3):  # any other rank (a compiled model's (B, T, H, D) q/k): its rows, made contiguous
+        return _rms_norm_op(x.reshape(-1, x.shape[-1]), weight, eps, offset).view(x.shape)
+    assert x.stride(-1) == 1, "x must be (R, N) or (T, H, N) with unit stride on the last dim"
     assert weight.shape == x.shape[-1:] and weight.stride(0) == 1, "weight must be a contiguous (N,) vector"
     out = x.new_empty(x.shape)
     if out.numel() > 0:

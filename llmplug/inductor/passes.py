@@ -1,0 +1,51 @@
+"""llmplug's post-grad graph pass for Inductor, and the report of what it matched."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from pathlib import Path
+
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import rms_norm
+
+# pattern name -> replace(graph) -> matches; run in this order
+PATTERNS = {"rms_norm": rms_norm.replace}
+_report: collections.Counter = collections.Counter()
+
+
+def report() -> dict[str, int]:
+    """Matches of each pattern over the graphs compiled with the ``llmplug`` backend since :func:`reset_report`."""
+    return dict(_report)
+
+
+def reset_report() -> None:
+    _report.clear()
+
+
+class LlmplugPass(CustomGraphPass):
+    """Inductor's ``post_grad_custom_post_pass``: llmplug's patterns, then the pass the user had set (if any).
+
+    Args:
+        after: the user's own post-grad pass, kept running after llmplug's.
+    """
+
+    def __init__(self, after=None) -> None:
+        self.after = after
+
+    def __call__(self, graph) -> None:
+        for name, replace in PATTERNS.items():
+            _report[name] += replace(graph)
+        if self.after is not None:
+            self.after(graph)
+
+    def uuid(self) -> bytes:
+        """The FX graph cache key: llmplug's pattern sources and the user's pass's own key."""
+        h = hashlib.sha256()
+        for module in (rms_norm,):
+            h.update(Path(module.__file__).read_bytes())
+        after = getattr(self.after, "uuid", None)
+        if self.after is not None:
+            h.update(repr(after() if after is not None else id(self.after)).encode())
+        return h.digest()

@@ -1,0 +1,98 @@
+"""Find RMSNorm in a post-grad FX graph and call llmplug's op instead.
+
+The traced forms (any HF family, any dtype): ``xf = x`` or ``x.float()``; ``r = rsqrt(mean(xf^2, -1, keepdim) + eps)``;
+``n = xf * r``; then Llama style ``w * n.to(x.dtype)`` (offset 0) or Gemma style ``(n * (1 + w.float())).to(x.dtype)``
+(offset 1). Each match becomes ``llmplug::rms_norm(x, w, eps, offset)``. Only a constant ``eps`` matches: under
+``dynamic=True`` Dynamo makes a module's float attribute a graph input, and those norms stay as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten, prims = torch.ops.aten, torch.ops.prims
+_CAST = prims.convert_element_type.default
+
+
+def _arg(node, i):
+    return node.args[i] if len(node.args) > i else None
+
+
+def _is(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
+
+
+def _only_user(node):
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _other(node, known):
+    """The operand of a binary ``node`` that is not ``known`` (None if neither is)."""
+    a, b = node.args[0], node.args[1]
+    return b if a is known else a if b is known else None
+
+
+def _dtype(node) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return getattr(val, "dtype", None)
+
+
+def match(rsqrt: torch.fx.Node) -> dict | None:
+    """The RMSNorm around ``rsqrt`` -> ``{x, weight, eps, offset, out}`` or None."""
+    add = _arg(rsqrt, 0)
+    if not _is(add, aten.add.Tensor) or not isinstance(add.args[1], float):
+        return None
+    mean = add.args[0]
+    if not _is(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1],) or not (len(mean.args) > 2 and mean.args[2]):
+        return None
+    square = mean.args[0]
+    if not _is(square, aten.pow.Tensor_Scalar) or square.args[1] != 2:
+        return None
+    xf = square.args[0]
+    x = xf.args[0] if _is(xf, _CAST) and xf.args[1] == torch.float32 else xf
+    if _dtype(mean) != torch.float32:
+        return None
+    normed = next((u for u in rsqrt.users if _is(u, aten.mul.Tensor) and _other(u, rsqrt) is xf), None)
+    if normed is None or len(rsqrt.users) != 1:
+        return None
+    step = _only_user(normed)
+    if _is(step, _CAST) and step.args[1] == _dtype(x):  # Llama: round to x's dtype, then the weight
+        mul = _only_user(step)
+        if _is(mul, aten.mul.Tensor):
+            weight = _other(mul, step)
+            if _dtype(weight) == _dtype(x) and _dtype(mul) == _dtype(x):
+                return {"x": x, "weight": weight, "eps": add.args[1], "offset": 0.0, "out": mul}
+        return None
+    if _is(step, aten.mul.Tensor):
+        scale = _other(step, normed)
+        if _is(scale, aten.add.Tensor) and scale.args[1] == 1.0:  # Gemma: (1 + w) in fp32, cast at the end
+            weight = scale.args[0].args[0] if _is(scale.args[0], _CAST) else scale.args[0]
+            end = _only_user(step)
+            out = end if _is(end, _CAST) and end.args[1] == _dtype(x) else step
+            if _dtype(out) == _dtype(x):
+                return {"x": x, "weight": weight, "eps": add.args[1], "offset": 1.0, "out": out}
+            return None
+        if _dtype(x) == torch.float32 and _dtype(scale) == torch.float32:  # Llama in fp32: no casts at all
+            return {"x": x, "weight": scale, "eps": add.args[1], "offset": 0.0, "out": step}
+    return None
+
+
+def replace(graph: torch.fx.Graph) -> int:
+    """Replace every RMSNorm of ``graph`` with ``llmplug::rms_norm``; returns how many."""
+    count = 0
+    for node in list(graph.nodes):
+        if not _is(node, aten.rsqrt.default):
+            continue
+        found = match(node)
+        if found is None:
+            continue
+        out = found["out"]
+        with graph.inserting_before(out):
+            fused = graph.call_function(torch.ops.llmplug.rms_norm.default,
+                                        (found["x"], found["weight"], found["eps"], found["offset"]))
+        fused.meta.update(out.meta)
+        out.replace_all_uses_with(fused)
+        count += 1
+    graph.eliminate_dead_code()
+    return count

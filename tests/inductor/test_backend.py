@@ -1,0 +1,73 @@
+"""``torch.compile(model, backend="llmplug")`` on the CPU (fp32): logits as the default backend's, greedy ``generate``
+as stock's, every RMSNorm of every layer matched, a user's own post-grad pass still running."""
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+
+import llmplug.inductor
+from tests.tiny_models import make_model, pad, prompts
+
+# family -> RMSNorms a forward holds: input/post-attention norms a layer (+ q/k norms, + Gemma 2's two sandwich
+# norms) and the final one
+NORMS = {"llama": 2 * 2 + 1, "qwen3": 4 * 2 + 1, "gemma2": 4 * 3 + 1, "olmo2": 4 * 2 + 1, "granite": 2 * 2 + 1}
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    llmplug.inductor.reset_report()
+    yield
+    torch._dynamo.reset()
+
+
+def _model(family):
+    torch.manual_seed(0)
+    return make_model(family)
+
+
+@pytest.mark.parametrize("family", sorted(NORMS))
+def test_logits_match_and_every_norm_is_found(family):
+    model = _model(family)
+    ids = torch.tensor(prompts(2, lengths=(9, 9), vocab=120))
+    with torch.no_grad():
+        expected = torch.compile(model)(input_ids=ids).logits
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="llmplug")(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert llmplug.inductor.report()["rms_norm"] == NORMS[family]
+
+
+def test_greedy_generate_equals_stock():
+    model = _model("llama")
+    ids, mask = pad(prompts(2, lengths=(5, 8), vocab=120))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    expected = model.generate(**kw)
+    model.forward = torch.compile(model.forward, backend="llmplug")
+    assert torch.equal(model.generate(**kw), expected)
+    assert llmplug.inductor.report()["rms_norm"] >= NORMS["llama"]  # the first (static) graph's at least
+
+
+def test_a_users_post_grad_pass_still_runs(monkeypatch):
+    seen = []
+    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", lambda graph: seen.append(len(graph.nodes)))
+    with torch.no_grad():
+        torch.compile(_model("llama"), backend="llmplug")(input_ids=torch.tensor([[5, 6, 7, 8]]))
+    assert seen and llmplug.inductor.report()["rms_norm"] == NORMS["llama"]
+
+
+def test_other_norms_are_left_alone():
+    """GPT-2's LayerNorms are not RMSNorms: nothing matches, the logits are the default backend's."""
+    model = _model("gpt2")
+    ids = torch.tensor(prompts(1, lengths=(7,), vocab=120))
+    with torch.no_grad():
+        expected = torch.compile(model)(input_ids=ids).logits
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="llmplug")(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert llmplug.inductor.report().get("rms_norm", 0) == 0
+
+
+def test_the_backend_is_registered_by_its_entry_point():
+    """Dynamo finds ``llmplug`` among its backends through the installed ``torch_dynamo_backends`` entry point."""
+    assert "llmplug" in torch._dynamo.list_backends(exclude_tags=())

@@ -8,9 +8,32 @@ from __future__ import annotations
 
 import torch
 
+# the private Inductor / Dynamo APIs the backend stands on (module, attribute); tests pin them on the CPU's torch
+# and the GPU machine's
+PRIVATE_APIS = (("torch._inductor.config", "post_grad_custom_post_pass"), ("torch._inductor.config", "patch"),
+                ("torch._inductor.config", "fx_graph_cache"), ("torch._inductor.compile_fx", "compile_fx"),
+                ("torch._inductor.custom_graph_pass", "CustomGraphPass"),
+                ("torch._dynamo.backends.registry", "register_backend"))
+
+
+def check_apis() -> None:
+    """Raise a clear ``RuntimeError`` where this torch lacks one of :data:`PRIVATE_APIS`."""
+    import importlib
+
+    for module, name in PRIVATE_APIS:
+        try:
+            found = hasattr(importlib.import_module(module), name)
+        except ImportError:
+            found = False
+        if not found:
+            raise RuntimeError(f"llmplug's torch.compile backend needs {module}.{name}, which torch "
+                               f"{torch.__version__} does not have (Inductor's private API moved); compile with the "
+                               "default backend, or use torch 2.11-2.13")
+
 
 def llmplug_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """Compile ``gm`` with Inductor, llmplug's passes installed before any post-grad pass the user set."""
+    check_apis()
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 

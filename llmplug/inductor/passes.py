@@ -11,12 +11,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from . import rms_norm
 
 # pattern name -> replace(graph) -> matches; run in this order
-PATTERNS = {"rms_norm": rms_norm.replace}
+PATTERNS = {"rms_norm": rms_norm.replace, "add_rms_norm": rms_norm.fuse_residual}
 _report: collections.Counter = collections.Counter()
 
 
 def report() -> dict[str, int]:
-    """Matches of each pattern over the graphs compiled with the ``llmplug`` backend since :func:`reset_report`."""
+    """Matches of each pattern over the graphs this process compiled with the ``llmplug`` backend since
+    :func:`reset_report` (a graph Inductor serves from its FX graph cache is not compiled, so not counted again)."""
     return dict(_report)
 
 
@@ -43,6 +44,7 @@ class LlmplugPass(CustomGraphPass):
     def uuid(self) -> bytes:
         """The FX graph cache key: llmplug's pattern sources and the user's pass's own key."""
         h = hashlib.sha256()
+        h.update(Path(__file__).read_bytes())
         for module in (rms_norm,):
             h.update(Path(module.__file__).read_bytes())
         after = getattr(self.after, "uuid", None)

@@ -2,11 +2,14 @@
 
 The traced forms (any HF family, any dtype): ``xf = x`` or ``x.float()``; ``r = rsqrt(mean(xf^2, -1, keepdim) + eps)``;
 ``n = xf * r``; then Llama style ``w * n.to(x.dtype)`` (offset 0) or Gemma style ``(n * (1 + w.float())).to(x.dtype)``
-(offset 1). Each match becomes ``llmplug::rms_norm(x, w, eps, offset)``. Only a constant ``eps`` matches: under
+(offset 1). Each match becomes ``llmplug::rms_norm(x, w, eps, offset)``, and one whose input is the residual stream's
+add (``x = a + b``) ``llmplug::add_rms_norm(a, b, w, eps, offset)``. Only a constant ``eps`` matches: under
 ``dynamic=True`` Dynamo makes a module's float attribute a graph input, and those norms stay as they are.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -93,6 +96,34 @@ def replace(graph: torch.fx.Graph) -> int:
                                         (found["x"], found["weight"], found["eps"], found["offset"]))
         fused.meta.update(out.meta)
         out.replace_all_uses_with(fused)
+        count += 1
+    graph.eliminate_dead_code()
+    return count
+
+
+def fuse_residual(graph: torch.fx.Graph) -> int:
+    """``llmplug::rms_norm(a + b, ...)`` where ``a + b`` is the residual stream (same shape and dtype) ->
+    ``llmplug::add_rms_norm(a, b, ...)``, whose second output replaces every other use of the sum; returns how many."""
+    count = 0
+    for node in list(graph.nodes):
+        if not _is(node, torch.ops.llmplug.rms_norm.default):
+            continue
+        add = node.args[0]
+        if not _is(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs:
+            continue
+        a, b = add.args
+        vals = [getattr(t, "meta", {}).get("val") for t in (a, b, add)]
+        if any(v is None for v in vals) or len({(str(v.shape), v.dtype) for v in vals}) != 1:
+            continue  # a scalar or a broadcast: not a residual add
+        with graph.inserting_before(node):
+            fused = graph.call_function(torch.ops.llmplug.add_rms_norm.default, (a, b, *node.args[1:]))
+            normed = graph.call_function(operator.getitem, (fused, 0))
+            total = graph.call_function(operator.getitem, (fused, 1))
+        fused.meta["val"] = (node.meta["val"], add.meta["val"])
+        normed.meta.update(node.meta)
+        total.meta.update(add.meta)
+        node.replace_all_uses_with(normed)
+        add.replace_all_uses_with(total)
         count += 1
     graph.eliminate_dead_code()
     return count

@@ -129,7 +129,11 @@ def _add_rms_norm_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not use_triton(x):
         return add_rms_norm_ref(x, residual, weight, eps, offset)
-    assert x.dim() == 2 and x.stride(-1) == 1, "x must be (R, N) with unit stride on the last dim"
+    if x.dim() != 2:  # a compiled model's (B, T, N): its rows
+        n = x.shape[-1]
+        out, total = _add_rms_norm_op(x.reshape(-1, n), residual.reshape(-1, n), weight, eps, offset)
+        return out.view(x.shape), total.view(x.shape)
+    assert x.stride(-1) == 1, "x must be (R, N) with unit stride on the last dim"
     assert residual.shape == x.shape and residual.stride(-1) == 1, "residual must be (R, N) like x"
     assert residual.dtype == x.dtype, "x and residual must share a dtype"
     assert weight.shape == x.shape[-1:] and weight.stride(0) == 1, "weight must be a contiguous (N,) vector"

@@ -13,8 +13,15 @@ from tests.tiny_models import make_model, pad, prompts
 NORMS = {"llama": 2 * 2 + 1, "qwen3": 4 * 2 + 1, "gemma2": 4 * 3 + 1, "olmo2": 4 * 2 + 1, "granite": 2 * 2 + 1}
 
 
+# of those, the ones whose input is the residual stream's add: every layer's input norm but the first layer's, and
+# the final one (pre-norm families); OLMo 2 norms each sublayer's output before its add: only the final norm;
+# Gemma 2: its pre-norms
+RESIDUAL_NORMS = {"llama": 2 * 2, "qwen3": 2 * 2, "gemma2": 2 * 3, "olmo2": 1, "granite": 2 * 2}
+
+
 @pytest.fixture(autouse=True)
-def _fresh():
+def _fresh(monkeypatch):
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # every graph compiled (and counted) here
     torch._dynamo.reset()
     llmplug.inductor.reset_report()
     yield
@@ -35,7 +42,9 @@ def test_logits_match_and_every_norm_is_found(family):
         torch._dynamo.reset()
         got = torch.compile(model, backend="llmplug")(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    assert llmplug.inductor.report()["rms_norm"] == NORMS[family]
+    report = llmplug.inductor.report()
+    assert report["rms_norm"] == NORMS[family]
+    assert report["add_rms_norm"] == RESIDUAL_NORMS[family]
 
 
 def test_greedy_generate_equals_stock():
@@ -71,3 +80,12 @@ def test_other_norms_are_left_alone():
 def test_the_backend_is_registered_by_its_entry_point():
     """Dynamo finds ``llmplug`` among its backends through the installed ``torch_dynamo_backends`` entry point."""
     assert "llmplug" in torch._dynamo.list_backends(exclude_tags=())
+
+
+def test_the_private_apis_it_uses_exist_and_a_missing_one_is_named(monkeypatch):
+    from llmplug.inductor import backend
+
+    backend.check_apis()  # this torch has every one
+    monkeypatch.delattr(inductor_config, "post_grad_custom_post_pass")
+    with pytest.raises(Exception, match="needs torch._inductor.config.post_grad_custom_post_pass"):
+        torch.compile(_model("llama"), backend="llmplug")(input_ids=torch.tensor([[5, 6, 7]]))

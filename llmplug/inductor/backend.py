@@ -1,7 +1,9 @@
 """``torch.compile(model, backend="llmplug")``: Inductor with llmplug's graph passes.
 
-Registered with Dynamo when :mod:`llmplug` is imported, and through the ``torch_dynamo_backends`` entry point
-(so ``torch.compile(..., backend="llmplug")`` and HF's ``CompileConfig(backend="llmplug")`` find it).
+Dynamo finds it through the installed package's ``torch_dynamo_backends`` entry point (so
+``torch.compile(..., backend="llmplug")`` and HF's ``CompileConfig(backend="llmplug")`` work without importing
+llmplug); :func:`register` does the same for a checkout used without installing (registering at ``import llmplug``
+would load Dynamo, ~0.85 s, for every user).
 """
 
 from __future__ import annotations

@@ -441,22 +441,6 @@ def _paths(out: str | None, res: dict) -> tuple[Path, Path, Path] | None:
     return path, path.with_suffix(".md"), path.with_name(path.stem + "_online.png")
 
 
-def _join_group(args: argparse.Namespace) -> int:
-    """Under torchrun: this process's GPU and the process group (NCCL on CUDA, gloo on CPU) -> its rank; the progress
-    bars of ranks other than 0 are silenced."""
-    from datetime import timedelta
-
-    rank = int(os.environ["RANK"])
-    if torch.device(args.device).type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        args.device = f"cuda:{torch.cuda.current_device()}"
-    torch.distributed.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
-                                         timeout=timedelta(seconds=300))
-    if rank:
-        os.environ["TQDM_DISABLE"] = "1"
-    return rank
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the suite (or re-render ``--from-json``); print the markdown table; write JSON, table and plot."""
     if args.from_json:
@@ -468,13 +452,15 @@ def main(args: argparse.Namespace) -> int:
         return 0
     rank = 0
     if args.tp > 1:
-        if "RANK" not in os.environ:  # relaunch under torchrun
-            from .tp import launch
+        from .tp import join_group, launch
 
+        if "RANK" not in os.environ:  # relaunch under torchrun
             if getattr(args, "argv", None) is None:
                 raise SystemExit("--tp runs through the llmplug command: llmplug bench throughput --tp N ...")
             return launch(args.tp, args.argv)
-        rank = _join_group(args)
+        rank = join_group(torch.device(args.device).type == "cuda")
+        if torch.device(args.device).type == "cuda":
+            args.device = f"cuda:{torch.cuda.current_device()}"
     cuda = torch.device(args.device).type == "cuda"
     model = args.model or ("llama-8b" if cuda else "tiny-llama")
     dtype = _DTYPES[args.dtype or ("bf16" if cuda else "fp32")]

@@ -44,6 +44,18 @@ def launch(nproc: int, argv: list[str]) -> int:
     return subprocess.run(cmd, env=env).returncode
 
 
+def join_group(cuda: bool, timeout_s: float = 300.0) -> int:
+    """Under torchrun: this process's GPU (``LOCAL_RANK``) and the process group (NCCL on CUDA, gloo on CPU) -> its
+    rank; the progress bars of ranks other than 0 are silenced."""
+    rank = int(os.environ["RANK"])
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    if rank:
+        os.environ["TQDM_DISABLE"] = "1"
+    return rank
+
+
 def allreduce_us(reduce, numel: int, reps: int = 64) -> float:
     """Microseconds of one ``reduce(x)`` of ``numel`` bf16 values, ``reps`` of them captured in one CUDA graph."""
     x = torch.ones(numel, dtype=torch.bfloat16, device="cuda")
@@ -114,12 +126,9 @@ def agreement(path: str, rank: int, world: int, prompts: int, new_tokens: int = 
 def run(model_name: str, batches=(1, 8), new_tokens: int = 256, repeats: int = 3, allreduce=("nccl", "one_shot"),
         agreement_model: str | None = None, prompts: int = 64, split_build: bool = False) -> dict | None:
     """The benchmark on this rank (under ``torchrun``; initialises the process group) -> the report on rank 0."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    rank, world = join_group(cuda), int(os.environ["WORLD_SIZE"])
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=120))
     report = {"model": model_name, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "ceilings": ceilings(device), "allreduce_us_in_graph": {}, "rows": []}
     if cuda:

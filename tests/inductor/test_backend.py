@@ -89,3 +89,19 @@ def test_the_private_apis_it_uses_exist_and_a_missing_one_is_named(monkeypatch):
     monkeypatch.delattr(inductor_config, "post_grad_custom_post_pass")
     with pytest.raises(Exception, match="needs torch._inductor.config.post_grad_custom_post_pass"):
         torch.compile(_model("llama"), backend="llmplug")(input_ids=torch.tensor([[5, 6, 7]]))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+def test_bf16_graphs_with_casts_match_too(family):
+    """In bf16 the norms carry casts (fp32 math, Llama's rounding before the weight, Gemma's at the end): matched all
+    the same, and the logits stay within bf16 rounding of the default backend's."""
+    torch.manual_seed(0)
+    model = make_model(family, dtype=torch.bfloat16)
+    ids = torch.tensor(prompts(2, lengths=(9, 9), vocab=120))
+    with torch.no_grad():
+        expected = torch.compile(model)(input_ids=ids).logits.float()
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="llmplug")(input_ids=ids).logits.float()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    report = llmplug.inductor.report()
+    assert report["rms_norm"] == NORMS[family] and report["add_rms_norm"] == RESIDUAL_NORMS[family]

@@ -21,7 +21,7 @@ from ..kv.swap import SwapSpace
 from ..state import ensure_state
 from .engine_ring import EngineRing
 from .engine_spec import EngineSpeculation
-from .engine_tp import RankZeroMixin, RankZeroRequests
+from .engine_tp import RankZeroMixin, RankZeroRequests, check_params
 from .host_read import HostRead
 from .metrics import EngineMetrics
 from .params import EngineConfig, SamplingParams
@@ -141,6 +141,8 @@ class Engine(ServingMixin, RankZeroMixin):
             raise ValueError(f"stop={params.stop!r} needs a tokenizer: Engine(model, tokenizer=...)")
         if params.speculative is not None:
             self.speculation.check(params.speculative)
+            if self.tp_requests is not None:
+                check_params(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         with self._lock:
             order = next(self._counter)

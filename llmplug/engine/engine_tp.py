@@ -20,13 +20,18 @@ from ..parallel.group import TPGroup
 from .params import SamplingParams, SpeculativeConfig
 
 
+def check_params(params: SamplingParams) -> None:
+    """Raise unless ``params`` can travel between ranks (a request's own draft model or head cannot)."""
+    spec = params.speculative
+    if spec is not None and spec.method != "ngram":
+        raise ValueError(f"under tensor parallelism a request's own speculative method must be 'ngram' (its settings "
+                         f"travel between ranks), got {spec.method!r}: set it in EngineConfig(speculative=...) instead")
+
+
 def _params_dict(params: SamplingParams) -> dict:
     out = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "speculative"}
     spec = params.speculative
     if spec is not None:
-        if spec.method != "ngram":
-            raise ValueError(f"under tensor parallelism a request's own speculative method must be 'ngram' (its "
-                             f"settings travel between ranks), got {spec.method!r}: set it in EngineConfig instead")
         out["speculative"] = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
                               if f.name not in ("draft_model", "head")}
     return out
@@ -44,7 +49,7 @@ class RankZeroRequests:
 
     def __init__(self, engine, tp: TPGroup) -> None:
         self.engine, self.tp = engine, tp
-        self.device = tp._device()
+        self.device = tp.collective_device()
         self.stop = False  # rank 0: tell the followers to return; elsewhere: rank 0 said so
         self.following = False  # this rank takes rank 0's requests (Engine.follow) rather than its callers' own
         self.outputs: list = []  # a following rank's finished requests, for follow() to return

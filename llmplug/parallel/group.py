@@ -75,15 +75,15 @@ class TPGroup:
         dist.broadcast(x, src=src, group=self.group)
         return x
 
-    def _device(self) -> torch.device:
-        """Where this group's collectives take their tensors."""
+    def collective_device(self) -> torch.device:
+        """Where this group's collectives take their tensors (CUDA under NCCL, else the CPU)."""
         if dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
     def agree(self, value: float) -> float:
         """Rank 0's ``value`` (a host decision input, such as a measured time, that must be the same everywhere)."""
-        return float(self.broadcast(torch.tensor([value], dtype=torch.float64, device=self._device())).item())
+        return float(self.broadcast(torch.tensor([value], dtype=torch.float64, device=self.collective_device())).item())
 
     def sync_rng(self, device: torch.device) -> None:
         """Give every rank rank 0's random state (the CPU generator, and ``device``'s when it is CUDA), so sampling
@@ -92,7 +92,7 @@ class TPGroup:
         if device.type == "cuda":
             states.append((lambda: torch.cuda.get_rng_state(device), lambda s: torch.cuda.set_rng_state(s, device)))
         for get, put in states:
-            state = self.broadcast(get().to(self._device()))
+            state = self.broadcast(get().to(self.collective_device()))
             put(state.cpu())
 
     def stack(self, x: torch.Tensor) -> torch.Tensor:

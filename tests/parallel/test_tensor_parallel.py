@@ -195,6 +195,11 @@ def _engine_rank0_entry(rank: int) -> dict:
         engine.abort(stray)
         return {"refused": refused, "tokens": tokens}
     rows = [[t for t in r if t] for r in _inputs()["input_ids"].tolist()]
+    own_draft = llmplug.SpeculativeConfig(method="draft", draft_model=_model("llama", num_hidden_layers=1))
+    try:
+        engine.add_request(rows[0], llmplug.SamplingParams(speculative=own_draft))
+    except ValueError as error:
+        refused_draft = "must be 'ngram'" in str(error)
     params = [llmplug.SamplingParams(max_new_tokens=12, temperature=0.0),
               llmplug.SamplingParams(max_new_tokens=12, temperature=1.2, top_p=0.9, seed=3),
               llmplug.SamplingParams(max_new_tokens=12, temperature=0.0, speculative=llmplug.SpeculativeConfig())]
@@ -207,7 +212,7 @@ def _engine_rank0_entry(rank: int) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     engine.release_followers()
-    return {"tokens": {o.request_id: o.outputs[0].token_ids for o in outs}}
+    return {"tokens": {o.request_id: o.outputs[0].token_ids for o in outs}, "refused draft": refused_draft}
 
 
 def test_engine_requests_enter_on_rank_0():
@@ -215,7 +220,7 @@ def test_engine_requests_enter_on_rank_0():
     steps and ends when released (a following rank with requests of its own is refused); rank 0's greedy outputs
     equal one process's. (The other tests run the Engine on every rank with the same calls.)"""
     rank0, rank1 = run_ranks(2, _engine_rank0_entry)
-    assert rank1["refused"]
+    assert rank1["refused"] and rank0["refused draft"]  # a request's own draft model cannot travel between ranks
     doomed = set(rank1["tokens"]) - set(rank0["tokens"])  # the aborted request: only the follower reports it
     assert len(doomed) == 1 and {k: v for k, v in rank1["tokens"].items() if k not in doomed} == rank0["tokens"]
     solo = llmplug.Engine(llmplug.optimize(_model("llama")))

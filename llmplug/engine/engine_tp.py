@@ -1,11 +1,12 @@
 """The Engine under tensor parallelism: every rank runs the same steps.
 
-Each step, rank 0 sends the requests and aborts its callers gave it since the last step (JSON bytes over the
-process group: prompt ids, sampling settings, request ids). Ranks driven by :meth:`Engine.follow` take the same ones
-(requests enter on rank 0 alone, as a server's would); ranks whose callers make the same engine calls themselves (a
-``torchrun`` script running ``generate`` / ``generate_batch`` everywhere) check that they were given the same ones. So
-every rank schedules the same batches. Sampled tokens are rank 0's everywhere (the engine
-broadcasts them). Rank 0 ends the others' ``follow`` with :meth:`Engine.release_followers`.
+Each step, rank 0 sends the requests and aborts its callers gave it since the last step (JSON bytes over the group's
+host-side gloo twin, so no rank waits for its GPU to send or receive them: prompt ids, sampling settings, request
+ids). Ranks driven by :meth:`Engine.follow` take the same ones (requests enter on rank 0 alone, as a server's would);
+ranks whose callers make the same engine calls themselves (a ``torchrun`` script running ``generate`` /
+``generate_batch`` everywhere) wait for their own copy of each. So every rank schedules the same batches. Sampled
+tokens are rank 0's everywhere (the engine broadcasts them on the device). Rank 0 ends the others' ``follow`` with
+:meth:`Engine.release_followers`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-
-import torch
 
 from ..parallel.group import TPGroup
 from .params import SamplingParams, SpeculativeConfig
@@ -49,7 +48,6 @@ class RankZeroRequests:
 
     def __init__(self, engine, tp: TPGroup) -> None:
         self.engine, self.tp = engine, tp
-        self.device = tp.collective_device()
         self.stop = False  # rank 0: tell the followers to return; elsewhere: rank 0 said so
         self.following = False  # this rank takes rank 0's requests (Engine.follow) rather than its callers' own
         self.outputs: list = []  # a following rank's finished requests, for follow() to return
@@ -67,9 +65,9 @@ class RankZeroRequests:
             message = {"requests": [{"id": r.request_id, "prompt": r.seqs[0].tokens[:r.seqs[0].prompt_len],
                                      "params": _params_dict(r.params)} for r in inbox],
                        "aborts": aborts, "stop": self.stop}
-            self._send(json.dumps(message).encode())
+            self.tp.broadcast_bytes(json.dumps(message).encode())
             return inbox, aborts
-        message = json.loads(self._receive())
+        message = json.loads(self.tp.broadcast_bytes(None))
         self.stop = message["stop"]
         ids, aborts = [r["id"] for r in message["requests"]], message["aborts"]
         if self.following:
@@ -89,19 +87,6 @@ class RankZeroRequests:
                                    f"{self.wait_s:.0f} s: under tensor parallelism every rank makes the same engine "
                                    "calls, or the ranks other than 0 run engine.follow()")
             time.sleep(0.001)
-
-    def _send(self, payload: bytes) -> None:
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        self.tp.broadcast(size)
-        if payload:
-            self.tp.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device))
-
-    def _receive(self) -> bytes:
-        size = self.tp.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        if data.numel():
-            self.tp.broadcast(data)
-        return data.cpu().numpy().tobytes()
 
 
 class RankZeroMixin:

@@ -17,6 +17,7 @@ _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tenso
 # 5958b18: the one-shot path is faster alone (8 KB in a CUDA graph 9.8 us vs NCCL 16.0) but decode at TP=2 is slower
 # with it (255.4 vs 262.8 tok/s at batch 1), so NCCL is the default (BENCHMARKS.md, "Tensor parallelism").
 ONE_SHOT_MAX_BYTES = 256 << 10
+_HOST_GROUPS: dict[str, object] = {}  # process group name -> its gloo twin for host-side messages
 
 
 @dataclass(frozen=True)
@@ -70,20 +71,28 @@ class TPGroup:
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``x`` on every rank, in place (``x`` on the group's device: CUDA under NCCL); returns ``x``."""
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        dist.broadcast(x, src=src, group=self.group)
+        """Rank 0's ``x`` (on the model's device) on every rank, in place, queued on the stream like any kernel;
+        returns ``x``."""
+        dist.broadcast(x, src=self._rank0(), group=self.group)
         return x
 
-    def collective_device(self) -> torch.device:
-        """Where this group's collectives take their tensors (CUDA under NCCL, else the CPU)."""
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """Rank 0's ``payload`` (host bytes; the other ranks pass None) on every rank, over the host group
+        (:meth:`host_group`): no GPU stream is involved, so no rank waits for its device."""
+        host = self.host_group()
+        size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
+        dist.broadcast(size, src=self._rank0(), group=host)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+            torch.empty(int(size.item()), dtype=torch.uint8)
+        if data.numel():
+            dist.broadcast(data, src=self._rank0(), group=host)
+        return payload if payload is not None else data.numpy().tobytes()
 
     def agree(self, value: float) -> float:
         """Rank 0's ``value`` (a host decision input, such as a measured time, that must be the same everywhere)."""
-        return float(self.broadcast(torch.tensor([value], dtype=torch.float64, device=self.collective_device())).item())
+        out = torch.tensor([value], dtype=torch.float64)
+        dist.broadcast(out, src=self._rank0(), group=self.host_group())
+        return float(out.item())
 
     def sync_rng(self, device: torch.device) -> None:
         """Give every rank rank 0's random state (the CPU generator, and ``device``'s when it is CUDA), so sampling
@@ -92,8 +101,21 @@ class TPGroup:
         if device.type == "cuda":
             states.append((lambda: torch.cuda.get_rng_state(device), lambda s: torch.cuda.set_rng_state(s, device)))
         for get, put in states:
-            state = self.broadcast(get().to(self.collective_device()))
-            put(state.cpu())
+            state = get()  # a host tensor either way
+            dist.broadcast(state, src=self._rank0(), group=self.host_group())
+            put(state)
+
+    def host_group(self):
+        """A gloo group over the same ranks for host-side messages (requests, measured times, random states), made
+        once (by :func:`resolve`, on every rank) and shared by every group over these ranks."""
+        key = self.group_name
+        if key not in _HOST_GROUPS:
+            ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+            _HOST_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+        return _HOST_GROUPS[key]
+
+    def _rank0(self) -> int:
+        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
 
     def stack(self, x: torch.Tensor) -> torch.Tensor:
         """``x (N, ...)`` of every rank -> ``(size, N, ...)``, rank order."""
@@ -118,4 +140,8 @@ def resolve(tensor_parallel: int | str | None) -> TPGroup | None:
     world = dist.get_world_size()
     if tensor_parallel != "auto" and tensor_parallel != world:
         raise ValueError(f"tensor_parallel={tensor_parallel!r} must equal the world size ({world}) or be 'auto'")
-    return None if world == 1 else TPGroup(dist.get_rank(), world)
+    if world == 1:
+        return None
+    group = TPGroup(dist.get_rank(), world)
+    group.host_group()  # made now, while every rank is here (a collective; later a dead rank would hang it)
+    return group

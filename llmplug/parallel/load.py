@@ -11,8 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from ..patches.undo import UndoLog
-from ..quant.hf_quantizer import LlmplugQuantConfig, replace_with_empty_quant_linears
-from ..quant.quantize import QUANT_ATTR
+from ..quant.hf_quantizer import LlmplugQuantConfig, record_quantized, replace_with_empty_quant_linears
 from .group import resolve
 from .shard import shard_model
 from .sources import Checkpoint, RandomInit
@@ -58,8 +57,7 @@ def _split(config, make_source, dtype: torch.dtype, device: torch.device, tensor
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     if quant is not None:
         model.config.quantization_config = saved
-        modules = replace_with_empty_quant_linears(model, quant)
-        model.__dict__[QUANT_ATTR] = {"method": quant.method, "group_size": quant.group_size, "modules": modules}
+        record_quantized(model, quant, replace_with_empty_quant_linears(model, quant))
     log = UndoLog()
     shard_model(model, tp, log, make_source(model))
     model.__dict__[SPLIT_ATTR] = (tp, log)
@@ -84,7 +82,7 @@ def load_split(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, dev
         from ..loading import load_causal_lm
 
         return optimize(load_causal_lm(path, device, dtype=dtype), **overrides)
-    model = _split(AutoConfig.from_pretrained(path), lambda m: Checkpoint(path, m, dtype, device), dtype, device,
+    model = _split(AutoConfig.from_pretrained(path), lambda m: Checkpoint(path, m, device), dtype, device,
                    tensor_parallel, overrides)
     if os.path.exists(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)

@@ -79,7 +79,7 @@ class _Split:
         if t is None or self.tp.rank == 0:
             return
         old = t.data
-        _put(owner, name, torch.zeros(t.shape, dtype=t.dtype, device=self.source.device(owner, name)))
+        _put(owner, name, torch.zeros(t.shape, dtype=t.dtype, device=self.source.device))
         self.log.record(lambda: _put(owner, name, old))
 
 
@@ -153,9 +153,9 @@ def shard_model(model: torch.nn.Module, tp: TPGroup, log: UndoLog, source=None) 
                                   "each rank's slices")
     text = model.config.get_text_config()
     decoder = model.get_decoder()
-    split = _Split(tp, log, source if source is not None else InPlace())
     param = next(model.parameters())
-    tp.prepare(split.source.device(*_owner_of(model, param)), param.dtype)
+    split = _Split(tp, log, source if source is not None else InPlace(param.device))
+    tp.prepare(split.source.device, param.dtype)
     n_heads, n_kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     q_local, _ = head_split(n_heads, n_kv, tp.size)
     for i, layer in enumerate(decoder.layers):
@@ -240,19 +240,10 @@ def _shard_vocab(split: _Split, model: torch.nn.Module, vocab: int) -> None:
         log.record(handle.remove)
 
 
-def _owner_of(model: torch.nn.Module, param: torch.Tensor) -> tuple[torch.nn.Module, str]:
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is param:
-                return module, name
-    raise LookupError("parameter not in model")
-
-
 def _fill_meta(split: _Split, model: torch.nn.Module) -> None:
     """Every parameter still on the meta device (left whole by the split: norms, rank 0's biases), and every meta
     buffer the source holds, read whole from the source."""
-    stored = getattr(split.source, "key", lambda module, name: None)
     for module in list(model.modules()):
         for name, t in list(module._parameters.items()) + list(module._buffers.items()):
-            if t is not None and t.is_meta and (name in module._parameters or stored(module, name) is not None):
+            if t is not None and t.is_meta and (name in module._parameters or split.source.holds(module, name)):
                 _put(module, name, split.source.whole(module, name))

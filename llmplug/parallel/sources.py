@@ -1,7 +1,8 @@
 """Where a tensor-parallel split reads each rank's slice of a weight from: the model itself (in place), a local
 safetensors checkpoint (only the slice's bytes, for models too big for one device), or fresh random values (benchmark
 shapes). Each gives ``part(owner, name, dim, start, stop)`` (rows or columns ``[start, stop)`` of ``owner.name``)
-and ``whole(owner, name)``, on the device the split model lives on."""
+and ``whole(owner, name)`` on its ``device`` (where the split model lives), and says with ``holds(owner, name)``
+whether it has a value for a buffer (a computed one, such as rotary frequencies, keeps the value it was made with)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import torch
 
 
 class InPlace:
-    """Slices of the weights the model already holds."""
+    """Slices of the weights the model already holds (on ``device``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
 
     def part(self, owner: torch.nn.Module, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         return getattr(owner, name).data.narrow(dim, start, stop - start).contiguous()
@@ -21,8 +25,8 @@ class InPlace:
     def whole(self, owner: torch.nn.Module, name: str) -> torch.Tensor:
         return getattr(owner, name).data
 
-    def device(self, owner: torch.nn.Module, name: str) -> torch.device:
-        return getattr(owner, name).device
+    def holds(self, owner: torch.nn.Module, name: str) -> bool:
+        return True
 
 
 class Checkpoint:
@@ -35,9 +39,8 @@ class Checkpoint:
         model: the model (on the meta device) whose parameters and buffers the names map to.
     """
 
-    def __init__(self, path: str | os.PathLike, model: torch.nn.Module, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.dtype, self.target = dtype, device
+    def __init__(self, path: str | os.PathLike, model: torch.nn.Module, device: torch.device) -> None:
+        self.device = device
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as f:
@@ -77,7 +80,7 @@ class Checkpoint:
                 index[dim] = slice(start, stop)
                 t = part[tuple(index)]
         like = getattr(owner, name)  # the meta tensor it replaces: its dtype (fp32 scales stay fp32)
-        return t.to(self.target, dtype=like.dtype if like is not None else t.dtype).contiguous()
+        return t.to(self.device, dtype=like.dtype if like is not None else t.dtype).contiguous()
 
     def part(self, owner: torch.nn.Module, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         return self._read(owner, name, dim, start, stop)
@@ -85,8 +88,8 @@ class Checkpoint:
     def whole(self, owner: torch.nn.Module, name: str) -> torch.Tensor:
         return self._read(owner, name, None)
 
-    def device(self, owner: torch.nn.Module, name: str) -> torch.device:
-        return self.target
+    def holds(self, owner: torch.nn.Module, name: str) -> bool:
+        return self.key(owner, name) is not None
 
 
 class RandomInit:
@@ -95,16 +98,16 @@ class RandomInit:
     one-process model's."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.target = dtype, device
+        self.dtype, self.device = dtype, device
         self.names = {(id(m), n): f"{p}.{n}" for p, m in model.named_modules(remove_duplicate=False)
                       for n in list(m._parameters) + list(m._buffers)}
 
     def _make(self, owner: torch.nn.Module, name: str, shape: tuple[int, ...], tag: str) -> torch.Tensor:
         if len(shape) < 2:
-            return torch.ones(shape, dtype=self.dtype, device=self.target)
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
         seed = zlib.crc32(f"{self.names.get((id(owner), name), name)}:{tag}".encode())
-        g = torch.Generator(self.target).manual_seed(seed)
-        return (torch.randn(shape, generator=g, device=self.target, dtype=torch.float32) * 0.02).to(self.dtype)
+        g = torch.Generator(self.device).manual_seed(seed)
+        return (torch.randn(shape, generator=g, device=self.device, dtype=torch.float32) * 0.02).to(self.dtype)
 
     def part(self, owner: torch.nn.Module, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         shape = list(getattr(owner, name).shape)
@@ -114,5 +117,5 @@ class RandomInit:
     def whole(self, owner: torch.nn.Module, name: str) -> torch.Tensor:
         return self._make(owner, name, tuple(getattr(owner, name).shape), "whole")
 
-    def device(self, owner: torch.nn.Module, name: str) -> torch.device:
-        return self.target
+    def holds(self, owner: torch.nn.Module, name: str) -> bool:
+        return name in owner._parameters  # buffers are computed: they keep their values

@@ -136,6 +136,12 @@ def replace_with_empty_quant_linears(model: nn.Module, config: LlmplugQuantConfi
     return list(replaced.values())
 
 
+def record_quantized(model: nn.Module, config: LlmplugQuantConfig, modules: list[str]) -> None:
+    """Mark ``model`` as holding the quantized linears ``modules`` of ``config`` (what :func:`llmplug.quantize`
+    records), for ``save_quantized`` and the checks that read it."""
+    model.__dict__[QUANT_ATTR] = {"method": config.method, "group_size": config.group_size, "modules": modules}
+
+
 def permuted_modules(model: nn.Module) -> list[str]:
     """Names of ``model``'s :class:`QuantLinear` that gather their inputs by a permutation ``perm``."""
     return [name for name, m in model.named_modules()
@@ -175,8 +181,7 @@ class LlmplugHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         config = self.quantization_config
         if self.pre_quantized:
-            model.__dict__[QUANT_ATTR] = {"method": config.method, "group_size": config.group_size,
-                                          "modules": self._replaced}
+            record_quantized(model, config, self._replaced)
             for module in model.modules():  # from_pretrained makes every float parameter trainable
                 if isinstance(module, QuantLinear) and module.bias is not None:
                     module.bias.requires_grad_(False)

@@ -208,15 +208,9 @@ class EngineSpeculation:
         for ``probe_every`` steps, then it probes)."""
         if not cfg.adaptive:
             return cfg.num_tokens
-        if seq.spec_skip:
-            seq.spec_skip -= 1
-            return 0
         if seq.spec_policy is None:
             seq.spec_policy = AdaptiveK(cfg.num_tokens, RIDGE_TOKENS.get(self.engine.runner.device.type, 4.0))
-        k = seq.spec_policy.choose(rows)
-        if k == 0:
-            seq.spec_skip = seq.spec_policy.probe_every - 1
-        return k
+        return seq.spec_policy.choose_step(rows)
 
     def _fill(self, plan: StepPlan, drafts: list[list[int]]) -> list[int]:
         """Filler tokens each row verifies after its drafts, so that a step of one-token rows that all draft is uniform

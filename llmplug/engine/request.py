@@ -44,7 +44,6 @@ class Sequence:
         self.generator: torch.Generator | None = None  # made on the logits' device at the first sample
         self.spec_drafted = self.spec_accepted = self.spec_steps = 0  # speculation: drafts, accepted, verify steps
         self.spec_policy = None  # its AdaptiveK while it speculates adaptively
-        self.spec_skip = 0  # steps left without drafts (speculation off for a block)
 
     @property
     def num_tokens(self) -> int:

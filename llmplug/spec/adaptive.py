@@ -55,6 +55,7 @@ class AdaptiveK:
         self._backoff = 1  # plain blocks between probes now
         self._probing = False  # the last choice was a probe
         self._on = True  # speculating (the last choice had drafts, or nothing was chosen yet)
+        self._skip = 0  # choose_step: plain steps left in the current block
 
     @property
     def alpha(self) -> float:
@@ -93,6 +94,17 @@ class AdaptiveK:
                 return below[1] + (above[1] - below[1]) * (q - below[0]) / (above[0] - below[0])
         base = max(1.0, rows / self.ridge)
         return max(1.0, rows * q / self.ridge) / base * (1.0 + self.overhead)
+
+    def choose_step(self, rows: int) -> int:
+        """:meth:`choose` for a caller that asks before every step (the Engine): a 0 holds for the ``probe_every``
+        steps of its block of plain steps."""
+        if self._skip:
+            self._skip -= 1
+            return 0
+        k = self.choose(rows)
+        if k == 0:
+            self._skip = self.probe_every - 1
+        return k
 
     def choose(self, rows: int) -> int:
         """Drafts for the next step of ``rows`` sequences (0: a block of plain decode steps)."""

@@ -185,6 +185,10 @@ def test_adaptive_k():
         policy.record(drafted=4, accepted=3)
     assert policy.choose(1) == 4 and 0 < policy.choose(128) < 4  # nearly compute-bound: fewer drafts pay
     assert policy.choose(512) == 0  # compute-bound already: every draft costs its full share
+    stepwise = AdaptiveK(4, ridge=256.0, probe_every=3)  # asked before every step (the Engine): a 0 holds a block
+    for _ in range(40):
+        stepwise.record(drafted=4, accepted=0)
+    assert [stepwise.choose_step(1) for _ in range(8)] == [0, 0, 0, 4, 0, 0, 0, 0]  # block, probe, two blocks
 
 
 def test_adaptive_k_uses_measured_step_costs():

@@ -86,9 +86,9 @@ def _speculative(args) -> int:
 
 def _tp(args) -> int:
     """``llmplug bench tp``: launches itself under ``torchrun`` on ``--tp`` processes, then runs on each rank."""
-    import json
     import os
 
+    from .bench import report as reports
     from .bench import tp
 
     if "RANK" not in os.environ:
@@ -100,9 +100,7 @@ def _tp(args) -> int:
     if report is not None:
         print("\n".join(tp.table(report)), flush=True)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
-            print(f"saved {args.out}")
+            print(f"saved {reports.save(report, args.out)}")
         if not cuda:
             print("(CPU: gloo between processes, for correctness; the speed-up is a multi-GPU story)")
         compared = [r["identical"] for r in report["rows"] if "identical" in r]

@@ -450,16 +450,11 @@ class Engine(ServingMixin, RankZeroMixin):
         spec = self.config.speculative
         if spec is not None and spec.method == "eagle3":  # its steps capture layer inputs: graphs of their own
             self.speculation.drafter(spec).capture()
-        self.runner.capture_decode_graphs(self.config.max_num_seqs)
+        self.runner.capture_decode_graphs(self.config.max_num_seqs, greedy=self.config.greedy_ring >= 2)
         if spec is not None and spec.method == "draft":  # the draft model's decode graphs too
             drafter = self.speculation.drafter(spec)
             with drafter.state.step_lock:
                 drafter.runner.capture_decode_graphs(self.config.max_num_seqs)
-        if self.config.greedy_ring >= 2:  # the greedy ring's graphs, one per rows bucket
-            top = self.runner.graph_bucket(self.config.max_num_seqs) or self.runner.config.graph_batch_sizes[-1]
-            for bucket in self.runner.config.graph_batch_sizes:
-                if bucket <= top:
-                    self.runner.greedy_graph(bucket)
         g = torch.Generator().manual_seed(0)
         longest = min(self.config.max_num_batched_tokens, self.runner.max_model_len - 4,
                       self.blocks.num_total * self.block_size // 8)

@@ -230,14 +230,19 @@ class ModelRunner:
         return next((b for b in self.config.graph_batch_sizes if b >= batch), None)
 
     @torch.inference_mode()
-    def capture_decode_graphs(self, max_batch: int) -> int:
-        """Capture every decode graph a batch of up to ``max_batch`` rows can use now; returns how many exist."""
+    def capture_decode_graphs(self, max_batch: int, greedy: bool = False) -> int:
+        """Capture every decode graph a batch of up to ``max_batch`` rows can use now (with ``greedy``, every greedy
+        token-loop graph too, :meth:`greedy_graph`); returns how many decode graphs exist."""
         if not self._graphs_allowed:
             return 0
         top = self.graph_bucket(max_batch) or self.config.graph_batch_sizes[-1]
         for bucket in self.config.graph_batch_sizes:
-            if bucket <= top and self._key("step", bucket, 1) not in self._graphs:
+            if bucket > top:
+                continue
+            if self._key("step", bucket, 1) not in self._graphs:
                 self._capture_uniform(bucket, 1)
+            if greedy:
+                self.greedy_graph(bucket)
         return sum(key == self._key("step", key[1], 1) for key in self._graphs if key[0] == "step")
 
     def _replay_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

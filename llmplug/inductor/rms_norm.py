@@ -47,7 +47,7 @@ def match(rsqrt: torch.fx.Node) -> dict | None:
     if not _is(add, aten.add.Tensor) or not isinstance(add.args[1], float):
         return None
     mean = add.args[0]
-    if not _is(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1],) or not (len(mean.args) > 2 and mean.args[2]):
+    if not _is(mean, aten.mean.dim) or list(mean.args[1]) != [-1] or not (len(mean.args) > 2 and mean.args[2]):
         return None
     square = mean.args[0]
     if not _is(square, aten.pow.Tensor_Scalar) or square.args[1] != 2:

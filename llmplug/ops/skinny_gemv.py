@@ -92,9 +92,9 @@ def choose_config(n: int, k: int, element_size: int = 2) -> tuple[int, int, int,
     within 3% of the best config on every 8B shape at 1-8 rows in bf16; wider elements get fewer stages, as many as
     fit ``SHARED_BUDGET`` (fp32's four would need 240 KB)."""
     del n
-    block_n, block_k = 64, min(256, next_pow2(k))
+    block_n, block_k = 64, min(256, next_pow2(k))  # the launch clamps BLOCK_K to K's power of two alike
     per_stage = (block_n + 16) * block_k * element_size  # a weight tile and the padded input rows
-    return (block_n, 256, 4, max(1, min(4, SHARED_BUDGET // per_stage)))
+    return (block_n, block_k, 4, max(1, min(4, SHARED_BUDGET // per_stage)))
 
 
 def skinny_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: str = "",

@@ -134,7 +134,7 @@ def run(model_name: str, batches=(1, 8), new_tokens: int = 256, repeats: int = 3
     if cuda:
         group = TPGroup(rank, world)
         os.environ["LLMPLUG_TP_ALLREDUCE"] = "one_shot"
-        group.prepare(torch.device(device), torch.bfloat16)
+        group.prepare(torch.device(device))
         for numel in (4096, 32768, 131072):  # 8 KB: one batch-1 8B hidden state; 64 KB: batch 8; 256 KB: batch 32
             report["allreduce_us_in_graph"][2 * numel] = {"nccl": allreduce_us(dist.all_reduce, numel),
                                                           "one_shot": allreduce_us(group.all_reduce, numel)}

@@ -15,7 +15,7 @@ import torch
 PRIVATE_APIS = (("torch._inductor.config", "post_grad_custom_post_pass"), ("torch._inductor.config", "patch"),
                 ("torch._inductor.config", "fx_graph_cache"), ("torch._inductor.compile_fx", "compile_fx"),
                 ("torch._inductor.custom_graph_pass", "CustomGraphPass"),
-                ("torch._dynamo.backends.registry", "register_backend"))
+                ("torch._dynamo.backends.registry", "register_backend"), ("torch", "_TorchCompileInductorWrapper"))
 
 
 def check_apis() -> None:
@@ -33,19 +33,22 @@ def check_apis() -> None:
                                "default backend, or use torch 2.11-2.13")
 
 
-def llmplug_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
-    """Compile ``gm`` with Inductor, llmplug's passes installed before any post-grad pass the user set."""
+def llmplug_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+    """Compile ``gm`` with Inductor, llmplug's passes installed before any post-grad pass the user set.
+
+    ``mode`` and ``options`` mean what they mean to ``torch.compile``'s Inductor (``"reduce-overhead"``: CUDA graphs,
+    as HF's ``CompileConfig`` asks by default); Dynamo hands them to a named backend as keywords."""
     check_apis()
     import torch._inductor.config as inductor_config
-    from torch._inductor.compile_fx import compile_fx
 
     from .passes import LlmplugPass
 
+    inductor = torch._TorchCompileInductorWrapper(mode, options, None)  # Inductor's own reading of mode and options
     user = inductor_config.post_grad_custom_post_pass
     if isinstance(user, LlmplugPass):  # nested compile: already ours
         user = user.after
     with inductor_config.patch(post_grad_custom_post_pass=LlmplugPass(user)):
-        return compile_fx(gm, example_inputs, **kwargs)
+        return inductor(gm, example_inputs)
 
 
 def register() -> None:

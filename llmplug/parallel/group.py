@@ -12,11 +12,6 @@ import torch.distributed as dist
 # torch 2.13 renamed all_gather_into_tensor (one output tensor, the inputs along dim 0); 2.11 has only the old name
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# With LLMPLUG_TP_ALLREDUCE=one_shot, all-reduces of up to this many bytes on CUDA read every peer's copy directly
-# (symmetric memory, one kernel after a copy into the mapped buffer); NCCL otherwise. NOTE: two H100s, 8B shape,
-# 5958b18: the one-shot path is faster alone (8 KB in a CUDA graph 9.8 us vs NCCL 16.0) but decode at TP=2 is slower
-# with it (255.4 vs 262.8 tok/s at batch 1), so NCCL is the default (BENCHMARKS.md, "Tensor parallelism").
-ONE_SHOT_MAX_BYTES = 256 << 10
 _HOST_GROUPS: dict[str, object] = {}  # process group name -> its gloo twin for host-side messages
 
 
@@ -25,48 +20,37 @@ class TPGroup:
     """This process's place in a tensor-parallel group: ``rank`` of ``size`` ranks of ``group`` (None: the world).
 
     All-reduces go through NCCL (gloo on CPUs); with ``LLMPLUG_TP_ALLREDUCE=one_shot`` in the environment, small ones
-    on CUDA go through a symmetric-memory buffer every rank maps (``torch.ops.symm_mem.one_shot_all_reduce``) once
-    :meth:`prepare` made it.
+    on CUDA go through llmplug's one-shot kernel over a symmetric-memory buffer every rank maps
+    (:mod:`llmplug.parallel.one_shot`) once :meth:`prepare` made it.
     """
 
     rank: int
     size: int
     group: object = None
-    _symm: dict = field(default_factory=dict, compare=False, repr=False)  # dtype -> this rank's symmetric buffer
+    _symm: dict = field(default_factory=dict, compare=False, repr=False)  # "one_shot" -> its OneShot, once mapped
 
     @property
     def group_name(self) -> str:
         return (self.group or dist.group.WORLD).group_name
 
-    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
-        """With ``LLMPLUG_TP_ALLREDUCE=one_shot``, map the symmetric-memory buffer of ``dtype`` on every rank
-        (collective: every rank calls it together); NCCL alone otherwise or where CUDA symmetric memory fails."""
-        if device.type != "cuda" or dtype in self._symm or os.environ.get("LLMPLUG_TP_ALLREDUCE") != "one_shot":
+    def prepare(self, device: torch.device) -> None:
+        """With ``LLMPLUG_TP_ALLREDUCE=one_shot``, map the one-shot all-reduce's buffer on every rank (collective:
+        every rank calls it together); NCCL alone otherwise or where CUDA symmetric memory fails."""
+        if device.type != "cuda" or self._symm or os.environ.get("LLMPLUG_TP_ALLREDUCE") != "one_shot":
             return
         try:
-            import torch.distributed._symmetric_memory as symm
+            from .one_shot import map_one_shot
 
-            if not symm.is_symm_mem_enabled_for_group(self.group_name):  # torch 2.11 needs it; 2.13 deprecates it
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)
-                    symm.enable_symm_mem_for_group(self.group_name)
-            buf = symm.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
-            symm.rendezvous(buf, self.group_name)
+            self._symm["one_shot"] = map_one_shot(self.group_name, device)
         except Exception as error:  # noqa: BLE001 - any failure leaves NCCL in charge
             warnings.warn(f"symmetric memory is unavailable ({error}); tensor-parallel all-reduces use NCCL",
                           stacklevel=2)
-            return
-        self._symm[dtype] = buf
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
-        buf = self._symm.get(x.dtype)
-        if (buf is not None and x.is_cuda and x.numel() <= buf.numel() and x.is_contiguous()
-                and x.numel() * x.element_size() % 16 == 0):  # the kernel moves 16-byte vectors
-            staged = buf[:x.numel()].view_as(x)
-            staged.copy_(x)
-            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, x)
-            return x
+        one_shot = self._symm.get("one_shot")
+        if one_shot is not None and one_shot.fits(x):
+            return one_shot(x)
         dist.all_reduce(x, group=self.group)
         return x
 

@@ -155,7 +155,7 @@ def shard_model(model: torch.nn.Module, tp: TPGroup, log: UndoLog, source=None) 
     decoder = model.get_decoder()
     param = next(model.parameters())
     split = _Split(tp, log, source if source is not None else InPlace(param.device))
-    tp.prepare(split.source.device, param.dtype)
+    tp.prepare(split.source.device)
     n_heads, n_kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     q_local, _ = head_split(n_heads, n_kv, tp.size)
     for i, layer in enumerate(decoder.layers):

@@ -57,6 +57,27 @@ def test_greedy_generate_equals_stock():
     assert llmplug.inductor.report()["rms_norm"] >= NORMS["llama"]  # the first (static) graph's at least
 
 
+def test_mode_and_options_reach_inductor(monkeypatch):
+    """HF's ``CompileConfig`` asks for ``mode="reduce-overhead"`` by default: Dynamo hands a named backend ``mode``
+    and ``options`` as keywords, which mean to llmplug's what they mean to Inductor (here: an unknown option is
+    refused by Inductor's own check, a known one is applied)."""
+    from torch._inductor import compile_fx
+
+    seen = []
+    real = compile_fx.compile_fx
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda *a, **kw: seen.append(kw.get("config_patches")) or real(*a, **kw))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = torch.compile(_model("llama"))(input_ids=ids).logits
+        torch._dynamo.reset()
+        got = torch.compile(_model("llama"), backend="llmplug", mode="reduce-overhead")(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert any(patches and patches.get("triton.cudagraphs") is True for patches in seen)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Unexpected optimization option no_such_option"):
+        torch.compile(_model("llama"), backend="llmplug", options={"no_such_option": 1})(input_ids=ids)
+
+
 def test_a_users_post_grad_pass_still_runs(monkeypatch):
     seen = []
     monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", lambda graph: seen.append(len(graph.nodes)))

@@ -54,3 +54,60 @@ def test_two_gpus_equal_one(allreduce):
         assert torch.equal(got["batch"], expected) and torch.equal(got["one"], one)
         assert got["graphs"] > 0  # the steps replayed CUDA graphs with the collectives inside
         assert got["engine"] == results[0]["engine"]
+
+
+def _reduce_on_ranks(rank: int, sizes: tuple[int, ...], dtype: torch.dtype) -> dict:
+    """llmplug's one-shot all-reduce against NCCL on each size (eagerly, many calls in a row so the two slots take
+    turns), then 40 calls in one CUDA graph replayed on fresh inputs."""
+    import os
+
+    import torch.distributed as dist
+
+    from llmplug.parallel.group import TPGroup
+
+    os.environ["LLMPLUG_TP_ALLREDUCE"] = "one_shot"
+    group = TPGroup(rank, dist.get_world_size())
+    group.prepare(torch.device("cuda"))
+    assert group._symm, "the one-shot buffer was not mapped"
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    worst = {}
+    for n in sizes:
+        for _ in range(3):
+            x = torch.randn(n, generator=gen, device="cuda").to(dtype)
+            want = x.clone()
+            dist.all_reduce(want)
+            got = group.all_reduce(x.clone())
+            worst[n] = max(worst.get(n, 0.0), float((got.float() - want.float()).abs().max()))
+    xs = [torch.zeros(4096, dtype=dtype, device="cuda") for _ in range(40)]
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        group.all_reduce(xs[0].clone())  # compiles the kernel outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        for x in xs:
+            group.all_reduce(x)
+    replay_worst = 0.0
+    for _ in range(5):
+        fresh = [torch.randn(4096, generator=gen, device="cuda").to(dtype) for _ in xs]
+        for x, f in zip(xs, fresh):
+            x.copy_(f)
+        graph.replay()
+        for x, f in zip(xs, fresh):
+            dist.all_reduce(f)
+            replay_worst = max(replay_worst, float((x.float() - f.float()).abs().max()))
+    torch.cuda.synchronize()
+    return {"eager": worst, "graph": replay_worst}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_shot_all_reduce_equals_nccl(dtype):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    sizes = (1, 7, 4096, 4099, 40_000, 256 * 1024 // dtype.itemsize)  # odd sizes, several programs, a full slot
+    for got in run_ranks(2, _reduce_on_ranks, sizes, dtype, backend="nccl"):
+        # two ranks: one rounding of the exact sum either way (NCCL in the dtype, llmplug from fp32)
+        tolerance = 0.0 if dtype == torch.bfloat16 else 1e-6
+        assert max(got["eager"].values()) <= tolerance, got
+        assert got["graph"] <= tolerance, got

@@ -1,0 +1,131 @@
+"""A one-shot all-reduce over CUDA symmetric memory, one Triton kernel with one cross-GPU barrier (GPU only).
+
+Every rank maps a buffer of two slots that every other rank can read over NVLink. A call stages this rank's input into
+the next slot, meets the same block of every peer at a barrier of flags in the peers' signal pads, then sums every
+rank's slot in rank order (fp32, so every rank gets the same bits) into the input, in place.
+
+One barrier is enough because consecutive calls use the two slots in turn: a rank writes a slot again only after the
+barrier of the call between, which every peer reaches only once its kernel that read the slot has finished (kernels
+on a stream run in order). A captured graph keeps that order; between a model's forwards, their logits gather (NCCL)
+orders the ranks the same way. The flags reset themselves (set 0 -> 1 by the sender, 1 -> 0 by the receiver), so
+the kernel replays in CUDA graphs. The CPU path (gloo) is plain ``dist.all_reduce``; GPU tests compare the two.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SLOT_BYTES = 256 << 10  # the largest message that takes this path (32 tokens of an 8B model's hidden state, bf16)
+BLOCK = 1024  # elements a program moves per pass: 8 per thread of 4 warps (16-byte vectors in bf16)
+MAX_PROGRAMS = 32  # programs per call (each meets its peers at its own flags): MAX_PROGRAMS * world flags in a pad
+
+
+@triton.jit
+def _meet_peers(pads, own_flags, send_offset, world):
+    """Block-wide barrier with the same program of every rank: thread ``t < world`` raises this rank's flag in rank
+    ``t``'s pad (``pads[t] + send_offset`` bytes; release, so this block's writes before it are visible there), then
+    waits for rank ``t``'s flag in its own (``own_flags[t]``; acquire) and lowers it. The caller syncs the block on
+    either side."""
+    tl.inline_asm_elementwise(
+        """
+        {
+        .reg .u32 %llp_t, %llp_old;
+        .reg .u64 %llp_a, %llp_off;
+        .reg .pred %llp_p;
+        mov.u32 %llp_t, %tid.x;
+        setp.ge.u32 %llp_p, %llp_t, $4;
+        @%llp_p bra LLP_DONE;
+        mul.wide.u32 %llp_off, %llp_t, 8;
+        add.u64 %llp_a, $1, %llp_off;
+        ld.global.u64 %llp_a, [%llp_a];
+        add.u64 %llp_a, %llp_a, $3;
+        LLP_SEND:
+        atom.global.release.sys.cas.b32 %llp_old, [%llp_a], 0, 1;
+        setp.ne.u32 %llp_p, %llp_old, 0;
+        @%llp_p bra LLP_SEND;
+        mul.wide.u32 %llp_off, %llp_t, 4;
+        add.u64 %llp_a, $2, %llp_off;
+        LLP_WAIT:
+        atom.global.acquire.sys.cas.b32 %llp_old, [%llp_a], 1, 0;
+        setp.ne.u32 %llp_p, %llp_old, 1;
+        @%llp_p bra LLP_WAIT;
+        LLP_DONE:
+        mov.u32 $0, 0;
+        }
+        """,
+        "=r,l,l,l,r",
+        [pads, own_flags, send_offset, world],
+        dtype=tl.uint32, is_pure=False, pack=1,
+    )
+
+
+@triton.jit
+def _one_shot_kernel(x_ptr, bufs, pads, slot_offset, numel, rank: tl.constexpr, world: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """``x (numel,)`` <- the sum over ranks of every rank's ``x``. ``bufs``/``pads``: ``(world,)`` int64 addresses of
+    each rank's buffer and signal pad; ``slot_offset``: elements to this call's slot in a buffer."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    elem = x_ptr.dtype.element_ty
+    own = tl.multiple_of(tl.load(bufs + rank).to(tl.pointer_type(elem)) + slot_offset, 16)
+    for start in range(pid * BLOCK, numel, programs * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(own + offs, tl.load(x_ptr + offs, mask=offs < numel), mask=offs < numel)
+    tl.debug_barrier()
+    own_flags = tl.load(pads + rank).to(tl.pointer_type(tl.uint32)) + pid * world
+    send_offset = (pid * world + rank).to(tl.int64) * 4
+    _meet_peers(pads, own_flags, send_offset, tl.full((), world, tl.int32))
+    tl.debug_barrier()
+    for start in range(pid * BLOCK, numel, programs * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for peer in tl.static_range(world):
+            src = tl.multiple_of(tl.load(bufs + peer).to(tl.pointer_type(elem)) + slot_offset, 16)
+            acc += tl.load(src + offs, mask=offs < numel).to(tl.float32)
+        tl.store(x_ptr + offs, acc.to(elem), mask=offs < numel)
+
+
+class OneShot:
+    """The mapped buffer of this rank (``2 * SLOT_BYTES``), every rank's addresses, and the slot the next call uses.
+
+    ``handle``: the rendezvous of ``buffer`` (``torch.distributed._symmetric_memory``) over the group."""
+
+    def __init__(self, buffer: torch.Tensor, handle) -> None:
+        self.buffer = buffer  # owned here: the peers read it for as long as this object lives
+        self.rank, self.world = handle.rank, handle.world_size
+        if handle.signal_pad_size < MAX_PROGRAMS * self.world * 4:
+            raise RuntimeError(f"the signal pads hold {handle.signal_pad_size} bytes; the one-shot all-reduce needs "
+                               f"{MAX_PROGRAMS * self.world * 4}")
+        start = buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # where the buffer sits in each mapped allocation
+        device = buffer.device
+        self.bufs = torch.tensor([p + start for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
+        self.pads = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+        self.slot = 0
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.is_contiguous() and x.numel() * x.element_size() <= SLOT_BYTES
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` (contiguous, at most ``SLOT_BYTES``) over the ranks, in place; returns ``x``."""
+        numel = x.numel()
+        programs = max(1, min(triton.cdiv(numel, BLOCK), MAX_PROGRAMS))
+        slot_offset = self.slot * (SLOT_BYTES // x.element_size())
+        self.slot ^= 1
+        _one_shot_kernel[(programs,)](x, self.bufs, self.pads, slot_offset, numel, rank=self.rank, world=self.world,
+                                      BLOCK=BLOCK, num_warps=4)
+        return x
+
+
+def map_one_shot(group_name: str, device: torch.device) -> OneShot:
+    """Allocate and map the buffer on every rank of ``group_name`` (collective: every rank calls it together)."""
+    import warnings
+
+    import torch.distributed._symmetric_memory as symm
+
+    if not symm.is_symm_mem_enabled_for_group(group_name):  # torch 2.11 needs it; 2.13 deprecates it
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm.enable_symm_mem_for_group(group_name)
+    buffer = symm.empty(2 * SLOT_BYTES, dtype=torch.uint8, device=device)
+    return OneShot(buffer, symm.rendezvous(buffer, group_name))

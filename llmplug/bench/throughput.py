@@ -283,6 +283,7 @@ def run(model_name: str, device: str, dtype: torch.dtype, keys: tuple[str, ...] 
     bar.close()
     res["summary"] = summary(res)
     save(res)
+    state_of(model).runner.release()  # under TP its graphs hold NCCL work: gone before the process group goes
     return res
 
 

@@ -48,9 +48,12 @@ def norm_in_prologue(weight: torch.Tensor) -> bool:
     return weight.numel() <= 1 << 26
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: str = "") -> torch.Tensor:
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: str = "",
+             fp32_out: bool = False) -> torch.Tensor:
     """Reference. ``x: (1, K)``, ``weight: (N, K)`` -> ``(1, N)``, or ``(1, N / 2)`` ``act(gate) * up`` with
-    ``gated``."""
+    ``gated``; unrounded fp32 with ``fp32_out``."""
+    if fp32_out:
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     y = F.linear(x, weight, bias)
     return act_and_mul_ref(y, gated) if gated else y
 
@@ -139,19 +142,20 @@ def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
 
 @llmplug_op("gemv")
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: str, block_n: int,
-             block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
+             block_k: int, num_warps: int, num_stages: int, fp32_out: bool) -> torch.Tensor:
     if not use_triton(x):
-        return gemv_ref(x, weight, bias, gated)
+        return gemv_ref(x, weight, bias, gated, fp32_out)
     assert x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1, "gemv needs x (1, K) and W (N, K)"
     assert not gated or (weight.shape[0] % 2 == 0 and block_n % 2 == 0), "gated gemv layout"
-    return _launch(x, weight, bias, gated, (block_n, block_k, num_warps, num_stages))
+    return _launch(x, weight, bias, gated, (block_n, block_k, num_warps, num_stages), fp32_out=fp32_out)
 
 
-def _launch(x, weight, bias, gated, config, norm=None):
-    """Launch the GEMV; ``norm = (residual, norm_weight, eps, offset, residual_out)`` adds the norm prologue."""
+def _launch(x, weight, bias, gated, config, norm=None, fp32_out=False):
+    """Launch the GEMV; ``norm = (residual, norm_weight, eps, offset, residual_out)`` adds the norm prologue;
+    ``fp32_out``: the unrounded fp32 product."""
     block_n, block_k, num_warps, num_stages = config
     n, k = weight.shape
-    out = x.new_empty((1, n // 2 if gated else n))
+    out = x.new_empty((1, n // 2 if gated else n), dtype=torch.float32 if fp32_out else x.dtype)
     residual, norm_weight, eps, offset, residual_out = norm or (x, x, 0.0, 0.0, x)
     norm_block = min(NORM_BLOCK, next_pow2(k))
     maybe_wrap(_gemv_kernel)[(triton.cdiv(n, block_n),)](
@@ -164,12 +168,13 @@ def _launch(x, weight, bias, gated, config, norm=None):
 
 
 @_gemv_op.register_fake
-def _(x, weight, bias, gated, block_n, block_k, num_warps, num_stages):
-    return x.new_empty((x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0]))
+def _(x, weight, bias, gated, block_n, block_k, num_warps, num_stages, fp32_out):
+    return x.new_empty((x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0]),
+                       dtype=torch.float32 if fp32_out else x.dtype)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] | None = None, gated: str = "") -> torch.Tensor:
+         config: tuple[int, int, int, int] | None = None, gated: str = "", fp32_out: bool = False) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a single row, optionally gated: ``act(gate) * up`` of a fused gate/up ``weight``.
 
     Args:
@@ -179,11 +184,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         config: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``; default :func:`choose_config`.
         gated: ``""`` (none), ``"silu"`` or ``"gelu_tanh"``: ``weight`` holds gate rows then up rows and the result is
             ``act(y[:, :N/2]) * y[:, N/2:]``, bit for bit :func:`~llmplug.ops.act_mul.act_and_mul` of the product.
+        fp32_out: the product (and bias) in fp32, unrounded (not with ``gated``): a row-parallel rank's share, to be
+            summed with the other ranks' before one rounding.
 
     Returns:
-        ``(1, N)`` in ``x.dtype``; ``(1, N / 2)`` when gated.
+        ``(1, N)`` in ``x.dtype`` (fp32 with ``fp32_out``); ``(1, N / 2)`` when gated.
     """
-    return call_op(_gemv_op, x.contiguous(), weight, bias, gated, *_checked_config(x, weight, config, gated))
+    if fp32_out and gated:
+        raise ValueError("gemv: fp32_out=True is for plain products, not gated ones")
+    return call_op(_gemv_op, x.contiguous(), weight, bias, gated, *_checked_config(x, weight, config, gated),
+                   fp32_out)
 
 
 def _checked_config(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None,

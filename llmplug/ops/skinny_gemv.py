@@ -29,9 +29,11 @@ MAX_ROWS = 8  # most rows this op takes; the decoder sends 2..MAX_ROWS-row CUDA 
 
 
 def skinny_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    gated: str = "") -> torch.Tensor:
+                    gated: str = "", fp32_out: bool = False) -> torch.Tensor:
     """Reference. ``x: (M, K)``, ``weight: (N, K)`` -> ``(M, N)``, or ``(M, N / 2)`` ``act(gate) * up`` with
-    ``gated``."""
+    ``gated``; unrounded fp32 with ``fp32_out``."""
+    if fp32_out:
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     y = F.linear(x, weight, bias)
     return act_and_mul_ref(y, gated) if gated else y
 
@@ -64,12 +66,12 @@ if triton is not None:
 
 @llmplug_op("skinny_gemv")
 def _skinny_gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, block_k: int,
-                    num_warps: int, num_stages: int) -> torch.Tensor:
+                    num_warps: int, num_stages: int, fp32_out: bool) -> torch.Tensor:
     if not use_triton(x):
-        return F.linear(x, weight, bias)
+        return skinny_gemv_ref(x, weight, bias, fp32_out=fp32_out)
     m, k = x.shape
     n = weight.shape[0]
-    out = x.new_empty((m, n))
+    out = x.new_empty((m, n), dtype=torch.float32 if fp32_out else x.dtype)
     maybe_wrap(_skinny_gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, weight.stride(0), x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, M_PAD=max(16, next_pow2(m)), BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)),
@@ -79,8 +81,8 @@ def _skinny_gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 @_skinny_gemv_op.register_fake
-def _(x, weight, bias, block_n, block_k, num_warps, num_stages):
-    return x.new_empty((x.shape[0], weight.shape[0]))
+def _(x, weight, bias, block_n, block_k, num_warps, num_stages, fp32_out):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32 if fp32_out else x.dtype)
 
 
 SHARED_BUDGET = 200 * 1024  # bytes of shared memory the pipeline stages may take (an H100 SM has 227 KB)
@@ -98,7 +100,7 @@ def choose_config(n: int, k: int, element_size: int = 2) -> tuple[int, int, int,
 
 
 def skinny_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: str = "",
-                config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                config: tuple[int, int, int, int] | None = None, fp32_out: bool = False) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``2 <= M <= MAX_ROWS`` rows, optionally gated (as :func:`~llmplug.ops.gemv.gemv`).
 
     Args:
@@ -107,9 +109,10 @@ def skinny_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         bias: optional ``(N,)``.
         gated: ``""``, ``"silu"`` or ``"gelu_tanh"`` over a fused gate/up ``weight`` (gate rows first).
         config: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``; default :func:`choose_config`.
+        fp32_out: the product (and bias) in fp32, unrounded (not with ``gated``), as :func:`~llmplug.ops.gemv.gemv`.
 
     Returns:
-        ``(M, N)`` in ``x.dtype``; ``(M, N / 2)`` when gated.
+        ``(M, N)`` in ``x.dtype`` (fp32 with ``fp32_out``); ``(M, N / 2)`` when gated.
     """
     n, k = weight.shape
     check_gated(gated, n)
@@ -117,6 +120,8 @@ def skinny_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"skinny_gemv needs x of shape (M, {k}) with 1 <= M <= {MAX_ROWS}, got {tuple(x.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x.dtype={x.dtype} does not match weight.dtype={weight.dtype}")
+    if fp32_out and gated:
+        raise ValueError("skinny_gemv: fp32_out=True is for plain products, not gated ones")
     y = call_op(_skinny_gemv_op, x.contiguous(), weight, bias,
-                *(config or choose_config(n, k, weight.element_size())))
+                *(config or choose_config(n, k, weight.element_size())), fp32_out)
     return act_and_mul(y, gated) if gated else y

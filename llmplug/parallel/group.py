@@ -19,9 +19,11 @@ _HOST_GROUPS: dict[str, object] = {}  # process group name -> its gloo twin for 
 class TPGroup:
     """This process's place in a tensor-parallel group: ``rank`` of ``size`` ranks of ``group`` (None: the world).
 
-    All-reduces go through NCCL (gloo on CPUs); with ``LLMPLUG_TP_ALLREDUCE=one_shot`` in the environment, small ones
-    on CUDA go through llmplug's one-shot kernel over a symmetric-memory buffer every rank maps
-    (:mod:`llmplug.parallel.one_shot`) once :meth:`prepare` made it.
+    On CUDA, all-reduces of up to :data:`~llmplug.parallel.one_shot.SLOT_BYTES` go through llmplug's one-shot kernel
+    over a symmetric-memory buffer every rank maps (:mod:`llmplug.parallel.one_shot`) once :meth:`prepare` made it,
+    larger ones through NCCL; ``LLMPLUG_TP_ALLREDUCE=nccl`` in the environment sends every one to NCCL. On CPUs: gloo.
+    NOTE: two H100s, 8B shape, 93c4f80: 8 KB inside a CUDA graph 5.5 us one-shot vs 16.7 NCCL; batch-1 decode at TP=2
+    275.4 vs 263.2 tok/s (BENCHMARKS.md, "Tensor parallelism").
     """
 
     rank: int
@@ -34,9 +36,12 @@ class TPGroup:
         return (self.group or dist.group.WORLD).group_name
 
     def prepare(self, device: torch.device) -> None:
-        """With ``LLMPLUG_TP_ALLREDUCE=one_shot``, map the one-shot all-reduce's buffer on every rank (collective:
-        every rank calls it together); NCCL alone otherwise or where CUDA symmetric memory fails."""
-        if device.type != "cuda" or self._symm or os.environ.get("LLMPLUG_TP_ALLREDUCE") != "one_shot":
+        """On CUDA, map the one-shot all-reduce's buffer on every rank (collective: every rank calls it together);
+        NCCL alone with ``LLMPLUG_TP_ALLREDUCE=nccl`` or where CUDA symmetric memory fails."""
+        mode = os.environ.get("LLMPLUG_TP_ALLREDUCE", "one_shot")
+        if mode not in ("one_shot", "nccl"):
+            raise ValueError(f"LLMPLUG_TP_ALLREDUCE={mode!r}: expected 'one_shot' (the default) or 'nccl'")
+        if device.type != "cuda" or self._symm or mode != "one_shot":
             return
         try:
             from .one_shot import map_one_shot
@@ -46,13 +51,15 @@ class TPGroup:
             warnings.warn(f"symmetric memory is unavailable ({error}); tensor-parallel all-reduces use NCCL",
                           stacklevel=2)
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place; returns ``x``."""
+    def all_reduce(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns ``x``, or with ``out_dtype`` the sum in that dtype (fp32
+        partial products summed before one rounding)."""
         one_shot = self._symm.get("one_shot")
         if one_shot is not None and one_shot.fits(x):
-            return one_shot(x)
+            same = out_dtype in (None, x.dtype)
+            return one_shot(x, x if same else torch.empty(x.shape, dtype=out_dtype, device=x.device))
         dist.all_reduce(x, group=self.group)
-        return x
+        return x if out_dtype is None else x.to(out_dtype)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` (on the model's device) on every rank, in place, queued on the stream like any kernel;

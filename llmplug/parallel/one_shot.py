@@ -2,7 +2,8 @@
 
 Every rank maps a buffer of two slots that every other rank can read over NVLink. A call stages this rank's input into
 the next slot, meets the same block of every peer at a barrier of flags in the peers' signal pads, then sums every
-rank's slot in rank order (fp32, so every rank gets the same bits) into the input, in place.
+rank's slot in rank order (fp32, so every rank gets the same bits) into the output: the input itself, or a tensor of
+another dtype (fp32 partial products summed, then rounded once to bf16).
 
 One barrier is enough because consecutive calls use the two slots in turn: a rank writes a slot again only after the
 barrier of the call between, which every peer reaches only once its kernel that read the slot has finished (kernels
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-SLOT_BYTES = 256 << 10  # the largest message that takes this path (32 tokens of an 8B model's hidden state, bf16)
+SLOT_BYTES = 512 << 10  # the largest message that takes this path (32 tokens of an 8B model's hidden state, fp32)
 BLOCK = 1024  # elements a program moves per pass: 8 per thread of 4 warps (16-byte vectors in bf16)
 MAX_PROGRAMS = 32  # programs per call (each meets its peers at its own flags): MAX_PROGRAMS * world flags in a pad
 
@@ -27,15 +28,16 @@ def _meet_peers(pads, own_flags, send_offset, world):
     """Block-wide barrier with the same program of every rank: thread ``t < world`` raises this rank's flag in rank
     ``t``'s pad (``pads[t] + send_offset`` bytes; release, so this block's writes before it are visible there), then
     waits for rank ``t``'s flag in its own (``own_flags[t]``; acquire) and lowers it. The caller syncs the block on
-    either side."""
+    either side. Every operand is an int64 (addresses as integers: Triton 3.6 refuses pointers of two types here)."""
     tl.inline_asm_elementwise(
         """
         {
         .reg .u32 %llp_t, %llp_old;
-        .reg .u64 %llp_a, %llp_off;
+        .reg .u64 %llp_a, %llp_off, %llp_t64;
         .reg .pred %llp_p;
         mov.u32 %llp_t, %tid.x;
-        setp.ge.u32 %llp_p, %llp_t, $4;
+        cvt.u64.u32 %llp_t64, %llp_t;
+        setp.ge.u64 %llp_p, %llp_t64, $4;
         @%llp_p bra LLP_DONE;
         mul.wide.u32 %llp_off, %llp_t, 8;
         add.u64 %llp_a, $1, %llp_off;
@@ -55,17 +57,18 @@ def _meet_peers(pads, own_flags, send_offset, world):
         mov.u32 $0, 0;
         }
         """,
-        "=r,l,l,l,r",
+        "=r,l,l,l,l",
         [pads, own_flags, send_offset, world],
         dtype=tl.uint32, is_pure=False, pack=1,
     )
 
 
 @triton.jit
-def _one_shot_kernel(x_ptr, bufs, pads, slot_offset, numel, rank: tl.constexpr, world: tl.constexpr,
+def _one_shot_kernel(x_ptr, out_ptr, bufs, pads, slot_offset, numel, rank: tl.constexpr, world: tl.constexpr,
                      BLOCK: tl.constexpr):
-    """``x (numel,)`` <- the sum over ranks of every rank's ``x``. ``bufs``/``pads``: ``(world,)`` int64 addresses of
-    each rank's buffer and signal pad; ``slot_offset``: elements to this call's slot in a buffer."""
+    """``out (numel,)`` <- the sum over ranks of every rank's ``x (numel,)`` (``out`` may be ``x``). ``bufs``/``pads``:
+    ``(world,)`` int64 addresses of each rank's buffer and signal pad; ``slot_offset``: elements of ``x``'s dtype to
+    this call's slot in a buffer."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     elem = x_ptr.dtype.element_ty
     own = tl.multiple_of(tl.load(bufs + rank).to(tl.pointer_type(elem)) + slot_offset, 16)
@@ -73,9 +76,9 @@ def _one_shot_kernel(x_ptr, bufs, pads, slot_offset, numel, rank: tl.constexpr, 
         offs = start + tl.arange(0, BLOCK)
         tl.store(own + offs, tl.load(x_ptr + offs, mask=offs < numel), mask=offs < numel)
     tl.debug_barrier()
-    own_flags = tl.load(pads + rank).to(tl.pointer_type(tl.uint32)) + pid * world
+    own_flags = tl.load(pads + rank) + (pid * world).to(tl.int64) * 4  # this program's row of flags, an address
     send_offset = (pid * world + rank).to(tl.int64) * 4
-    _meet_peers(pads, own_flags, send_offset, tl.full((), world, tl.int32))
+    _meet_peers(pads.to(tl.int64), own_flags, send_offset, send_offset * 0 + world)
     tl.debug_barrier()
     for start in range(pid * BLOCK, numel, programs * BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -83,7 +86,7 @@ def _one_shot_kernel(x_ptr, bufs, pads, slot_offset, numel, rank: tl.constexpr, 
         for peer in tl.static_range(world):
             src = tl.multiple_of(tl.load(bufs + peer).to(tl.pointer_type(elem)) + slot_offset, 16)
             acc += tl.load(src + offs, mask=offs < numel).to(tl.float32)
-        tl.store(x_ptr + offs, acc.to(elem), mask=offs < numel)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < numel)
 
 
 class OneShot:
@@ -106,15 +109,16 @@ class OneShot:
     def fits(self, x: torch.Tensor) -> bool:
         return x.is_cuda and x.is_contiguous() and x.numel() * x.element_size() <= SLOT_BYTES
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` (contiguous, at most ``SLOT_BYTES``) over the ranks, in place; returns ``x``."""
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` (contiguous, at most ``SLOT_BYTES``) over the ranks into ``out`` (``x`` itself, or a contiguous
+        tensor of its shape); returns ``out``."""
         numel = x.numel()
         programs = max(1, min(triton.cdiv(numel, BLOCK), MAX_PROGRAMS))
         slot_offset = self.slot * (SLOT_BYTES // x.element_size())
         self.slot ^= 1
-        _one_shot_kernel[(programs,)](x, self.bufs, self.pads, slot_offset, numel, rank=self.rank, world=self.world,
-                                      BLOCK=BLOCK, num_warps=4)
-        return x
+        _one_shot_kernel[(programs,)](x, out, self.bufs, self.pads, slot_offset, numel, rank=self.rank,
+                                      world=self.world, BLOCK=BLOCK, num_warps=4)
+        return out
 
 
 def map_one_shot(group_name: str, device: torch.device) -> OneShot:

@@ -46,6 +46,9 @@ class FamilySpec:
     rope_per_layer_type: bool = False
 
 
+_MM_FP32_OUT = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) (CUDA, 16-bit in, fp32 out)
+
+
 class Dense:
     """A plain weight (and bias) as the fused forward calls it: ``dense.matmul(x) -> (M, N)``.
 
@@ -64,6 +67,19 @@ class Dense:
                 return gemv(x, self.weight, self.bias)
             return skinny_gemv.skinny_gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T (+ bias)`` in fp32, unrounded: ``(M, K)`` -> ``(M, N)`` fp32 (a row-parallel rank's share)."""
+        if x.is_cuda and x.shape[0] <= skinny_gemv.MAX_ROWS:
+            if x.shape[0] == 1:
+                return gemv(x, self.weight, self.bias, fp32_out=True)
+            return skinny_gemv.skinny_gemv(x, self.weight, self.bias, fp32_out=True)
+        if x.is_cuda and _MM_FP32_OUT:
+            out = torch.mm(x, self.weight.t(), out_dtype=torch.float32)  # cuBLAS, fp32 accumulators kept
+            return out if self.bias is None else out + self.bias.float()
+        if x.is_cuda:  # a torch without mm's out_dtype: rounded like one GPU's product, then widened
+            return F.linear(x, self.weight, self.bias).float()
+        return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
     def gated_matmul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """``act(x @ W_gate^T) * (x @ W_up^T)`` for a fused gate/up weight (gate rows first): ``(M, K)`` ->

@@ -65,7 +65,8 @@ def test_mode_and_options_reach_inductor(monkeypatch):
 
     seen = []
     real = compile_fx.compile_fx
-    monkeypatch.setattr(compile_fx, "compile_fx", lambda *a, **kw: seen.append(kw.get("config_patches")) or real(*a, **kw))
+    monkeypatch.setattr(compile_fx, "compile_fx",
+                        lambda *a, **kw: seen.append(kw.get("config_patches")) or real(*a, **kw))
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         expected = torch.compile(_model("llama"))(input_ids=ids).logits

@@ -36,6 +36,22 @@ def test_gated_output(gated, n, dtype, bias):
     assert_close_matmul_like(out, ref64, same)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_out_is_the_unrounded_product(bias):
+    """``fp32_out``: a bf16 product (a row-parallel rank's share) comes back in fp32, not rounded to bf16."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 200, generator=g).to(torch.bfloat16)
+    w = torch.randn(99, 200, generator=g).to(torch.bfloat16)
+    b = torch.randn(99, generator=g).to(torch.bfloat16) if bias else None
+    out = gemv(x, w, b, config=(8, 64, 4, 2), fp32_out=True)
+    assert out.dtype == torch.float32 and out.shape == (1, 99)
+    exact = gemv_ref(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-4)  # fp32 sums, not bf16's 2^-8
+    assert not torch.equal(out, out.to(torch.bfloat16).float())  # really unrounded
+    with pytest.raises(ValueError, match="fp32_out"):
+        gemv(x, torch.randn(8, 200).to(torch.bfloat16), gated="silu", fp32_out=True)
+
+
 def test_row_view_of_fused_weight():
     fused = torch.randn(48, 96)
     w = fused[16:40]
@@ -80,9 +96,10 @@ def test_bad_input():
 
 
 def test_opcheck():
-    args = (torch.randn(1, 32), torch.randn(16, 32), None, "", 8, 32, 4, 2)
+    args = (torch.randn(1, 32), torch.randn(16, 32), None, "", 8, 32, 4, 2, False)
     torch.library.opcheck(torch.ops.llmplug.gemv.default, args)
     torch.library.opcheck(torch.ops.llmplug.gemv.default, (*args[:3], "silu", *args[4:]))
+    torch.library.opcheck(torch.ops.llmplug.gemv.default, (*args[:-1], True))
     x = torch.randn(1, 32)
     norm_args = (x, torch.randn(1, 32), torch.rand(32), 1e-6, 0.0, torch.randn(16, 32), None, "silu", 8, 32, 4, 2)
     torch.library.opcheck(torch.ops.llmplug.add_norm_gemv.default, norm_args)

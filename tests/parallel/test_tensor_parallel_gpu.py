@@ -21,14 +21,17 @@ def _inputs():
     return dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False)
 
 
+def _first(inputs: dict) -> dict:
+    """The first prompt of the batch alone."""
+    return {k: v[:1] if torch.is_tensor(v) else v for k, v in inputs.items()}
+
+
 def _on_ranks(rank: int, allreduce: str) -> dict:
     import os
 
     os.environ["LLMPLUG_TP_ALLREDUCE"] = allreduce
     model = llmplug.optimize(_model(), tensor_parallel="auto", graph_batch_sizes=(1, 4))
-    out = {"batch": model.generate(**_inputs()).cpu(),
-           "one": model.generate(**{k: v[:1] for k, v in _inputs().items() if k != "max_new_tokens"},
-                                 max_new_tokens=24).cpu()}
+    out = {"batch": model.generate(**_inputs()).cpu(), "one": model.generate(**_first(_inputs())).cpu()}
     engine = llmplug.Engine(model)
     rows = [[t for t in r if t] for r in _inputs()["input_ids"].tolist()]
     if rank == 0:
@@ -49,7 +52,7 @@ def test_two_gpus_equal_one(allreduce):
     results = run_ranks(2, _on_ranks, allreduce, backend="nccl")
     solo = llmplug.optimize(_model(), graph_batch_sizes=(1, 4))
     expected = solo.generate(**_inputs()).cpu()
-    one = solo.generate(**{k: v[:1] for k, v in _inputs().items() if k != "max_new_tokens"}, max_new_tokens=24).cpu()
+    one = solo.generate(**_first(_inputs())).cpu()
     for got in results:
         assert torch.equal(got["batch"], expected) and torch.equal(got["one"], one)
         assert got["graphs"] > 0  # the steps replayed CUDA graphs with the collectives inside
@@ -78,6 +81,15 @@ def _reduce_on_ranks(rank: int, sizes: tuple[int, ...], dtype: torch.dtype) -> d
             dist.all_reduce(want)
             got = group.all_reduce(x.clone())
             worst[n] = max(worst.get(n, 0.0), float((got.float() - want.float()).abs().max()))
+    mixed = 0.0  # fp32 shares summed into a bf16 result (the row-parallel projections' way)
+    for n in sizes[:4]:
+        x = torch.randn(n, generator=gen, device="cuda")
+        want = x.clone()
+        dist.all_reduce(want)
+        got = group.all_reduce(x, out_dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16
+        mixed = max(mixed, float((got.float() - want.to(torch.bfloat16).float()).abs().max()))
+    worst["fp32 in, bf16 out"] = mixed
     xs = [torch.zeros(4096, dtype=dtype, device="cuda") for _ in range(40)]
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -106,7 +118,7 @@ def test_one_shot_all_reduce_equals_nccl(dtype):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     sizes = (1, 7, 4096, 4099, 40_000, 256 * 1024 // dtype.itemsize)  # odd sizes, several programs, a full slot
-    for got in run_ranks(2, _reduce_on_ranks, sizes, dtype, backend="nccl"):
+    for got in run_ranks(2, _reduce_on_ranks, sizes, dtype, backend="nccl", timeout=120):
         # two ranks: one rounding of the exact sum either way (NCCL in the dtype, llmplug from fp32)
         tolerance = 0.0 if dtype == torch.bfloat16 else 1e-6
         assert max(got["eager"].values()) <= tolerance, got

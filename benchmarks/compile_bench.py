@@ -1,0 +1,94 @@
+"""Stock HF ``generate(cache_implementation="static", compile_config=CompileConfig(backend=B))`` for each backend B,
+one process, the same random weights (issue 25): compile warm-up (the first call), median decode tok/s at batch 1,
+the tokens (every backend must give the default's), llmplug's match report, and with ``--profile`` each backend's
+GPU kernels per decode step by name (a separate run: timings after torch's profiler are not trusted).
+
+    python benchmarks/compile_bench.py --model llama-8b --out results.json [--profile]
+"""
+
+import argparse
+import hashlib
+import json
+import time
+
+import torch
+from transformers import CompileConfig
+
+import llmplug.inductor
+from llmplug.bench.shapes import build, weight_bytes
+from llmplug.bench.timing import ceilings, sync, time_call
+
+
+def kernels_per_step(model, gen: dict, steps: int) -> dict:
+    """GPU kernel time by kernel name over a ``steps``-token generate (prefill included), us per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.generate(**gen, max_new_tokens=steps)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.generate(**gen, max_new_tokens=steps)
+        sync("cuda")
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name] = totals.get(e.name, 0.0) + e.device_time / steps
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-8b")
+    ap.add_argument("--backends", nargs="+", default=["inductor", "llmplug"])
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    llmplug.inductor.register()
+    torch.manual_seed(0)
+    model = build(args.model, torch.bfloat16, "cuda")
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    ids = torch.randint(3, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(1)).cuda()
+    ceil = ceilings("cuda")
+    report = {"model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "ceilings": ceil, "weight_bytes": weight_bytes(model), "rows": []}
+    first = None
+    for backend in args.backends:
+        torch._dynamo.reset()
+        llmplug.inductor.reset_report()
+        gen = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                   cache_implementation="static", compile_config=CompileConfig(backend=backend))
+        row = {"backend": backend}
+        if args.profile:
+            row["kernels_us_per_step"] = kernels_per_step(model, gen, 32)
+            row["gpu_us_per_step"] = sum(row["kernels_us_per_step"].values())
+        else:
+            t0 = time.perf_counter()
+            out = model.generate(**gen, max_new_tokens=args.new_tokens)
+            sync("cuda")
+            row["warmup_s"] = time.perf_counter() - t0
+            t = time_call(lambda gen=gen: model.generate(**gen, max_new_tokens=args.new_tokens), "cuda",
+                          repeats=args.repeats, warmup=1)
+            row["tok_s"] = args.new_tokens / t["median"]
+            row["fraction_of_roofline"] = row["tok_s"] * report["weight_bytes"] / ceil["read_bytes_per_s"]
+            row["tokens_sha"] = hashlib.sha1(out.cpu().numpy().tobytes()).hexdigest()[:12]
+            first = out if first is None else first
+            row["identical_to_first"] = torch.equal(out, first)
+        row["matches"] = llmplug.inductor.report()
+        report["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "kernels_us_per_step"}), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    base = report["rows"][0]
+    for row in report["rows"]:
+        if args.profile:
+            print(f"\n{row['backend']}: {row['gpu_us_per_step']:.0f} us of kernels a step; the top 25:")
+            for name, us in list(row["kernels_us_per_step"].items())[:25]:
+                print(f"  {us:8.1f}  {name[:110]}")
+        else:
+            print(f"{row['backend']:10s} warm-up {row['warmup_s']:6.1f} s  {row['tok_s']:7.1f} tok/s "
+                  f"({row['tok_s'] / base['tok_s']:.2f}x, {row['fraction_of_roofline']:.1%} of the read roofline) "
+                  f"same tokens: {row['identical_to_first']}  matches {row['matches']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,7 @@ Timed as CUDA-graph replays over 4 rotating weight copies (no launch overhead, n
 
     python benchmarks/gemv_sweep.py out.json           # configs vs cuBLAS
     python benchmarks/gemv_sweep.py out.json --norm    # add_rms_norm + gemv vs add_norm_gemv (norm in the prologue)
+    python benchmarks/gemv_sweep.py out.json --tp      # one rank's projections: 8B at TP=2, 70B at TP=4
 """
 
 import functools
@@ -24,15 +25,20 @@ from llmplug.ops.rms_norm import add_rms_norm  # noqa: E402
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
           "8b.lm_head": (128256, 4096), "1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate_up": (16384, 2048),
           "1b.down": (2048, 8192), "1b.lm_head": (128256, 2048)}
+# one rank's share under tensor parallelism (q/k/v, gate/up and the vocabulary split by rows, o and down by columns)
+TP_SHAPES = {"8b/2.qkv": (3072, 4096), "8b/2.o": (4096, 2048), "8b/2.gate_up": (14336, 4096),
+             "8b/2.down": (4096, 7168), "8b/2.lm_head": (64128, 4096), "70b/4.qkv": (2560, 8192),
+             "70b/4.o": (8192, 2048), "70b/4.gate_up": (14336, 8192), "70b/4.down": (8192, 7168),
+             "70b/4.lm_head": (32064, 8192)}
 CONFIGS = [(32, 512, 8, 3), (64, 256, 8, 3),
            (8, 512, 4, 4), (4, 1024, 4, 4), (16, 256, 4, 4), (8, 1024, 8, 3), (16, 512, 8, 3), (4, 512, 2, 4),
            (2, 1024, 4, 4), (32, 256, 8, 3), (8, 256, 4, 6)]
 
 
 @torch.inference_mode()
-def main(out_path: str) -> None:
+def main(out_path: str, shapes: dict) -> None:
     res = {}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         nbytes = n * k * 2
@@ -45,7 +51,8 @@ def main(out_path: str) -> None:
             row[str(cfg)] = nbytes / graph_time(lambda w, x=x, cfg=cfg: gemv(x, w, config=cfg), copies) / 1e9
         res[name] = row
         best = max((v, c) for c, v in row.items())
-        print(f"{name:12s} cublas {row['cublas']:7.0f} GB/s | best {best[1]} {best[0]:7.0f} GB/s | "
+        print(f"{name:13s} cublas {row['cublas']:5.0f} GB/s | chosen {choose_config(n, k)} | best {best[1]} "
+              f"{best[0]:5.0f} GB/s | "
               + " ".join(f"{row[str(c)]:5.0f}" for c in CONFIGS), flush=True)
         del copies
     Path(out_path).write_text(json.dumps(res, indent=1))
@@ -86,4 +93,7 @@ def norm_sweep(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    norm_sweep(sys.argv[1]) if "--norm" in sys.argv[2:] else main(sys.argv[1])
+    if "--norm" in sys.argv[2:]:
+        norm_sweep(sys.argv[1])
+    else:
+        main(sys.argv[1], TP_SHAPES if "--tp" in sys.argv[2:] else SHAPES)

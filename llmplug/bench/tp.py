@@ -90,10 +90,11 @@ def decode(model, batch: int, new_tokens: int, repeats: int, device: str) -> tup
 
 
 def agreement(path: str, rank: int, world: int, prompts: int, new_tokens: int = 32, device: str = "cuda",
-              dtype: torch.dtype = torch.bfloat16) -> float | None:
+              dtype: torch.dtype = torch.bfloat16) -> dict | None:
     """Greedy agreement of the trained model at TP = world with TP=1 (rank 0 alone): the fraction of held-out
     prompts (64-token windows every 512 tokens of the held-out stdlib files) whose ``new_tokens`` continuations are
-    identical. None on ranks other than 0."""
+    identical, generated all in one batch (cuBLAS projections) and one prompt at a time (the one-row GEMVs, CUDA
+    graphs). None on ranks other than 0."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     rows = []
     for f in held_out_files():
@@ -101,26 +102,34 @@ def agreement(path: str, rank: int, world: int, prompts: int, new_tokens: int = 
         rows += [ids[i:i + 64] for i in range(0, len(ids) - 64 + 1, 512)]
         if len(rows) >= prompts:
             break
-    rows = rows[:prompts]
-    ids = torch.tensor(rows, device=device)
-    gen = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-               min_new_tokens=new_tokens)
+    ids = torch.tensor(rows[:prompts], device=device)
+
+    def continuations(model) -> dict:
+        gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        one_by_one = [model.generate(input_ids=row[None], attention_mask=torch.ones_like(row[None]), **gen)
+                      for row in ids]
+        return {"batched": model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **gen).cpu(),
+                "one_at_a_time": torch.cat(one_by_one).cpu()}
+
     one = None
     if rank == 0:
         model = llmplug.optimize(build(path, dtype, device))
-        one = model.generate(**gen).cpu()
+        one = continuations(model)
         llmplug.unoptimize(model)
         del model
     dist.barrier()
     model = llmplug.optimize(build(path, dtype, device), tensor_parallel="auto")
-    split = model.generate(**gen).cpu()
+    split = continuations(model)
     llmplug.unoptimize(model)
     if rank != 0:
         return None
-    same = (split == one).all(dim=1)
-    print(f"greedy agreement of TP={world} with TP=1 on {path}: {int(same.sum())} of {len(rows)} prompts identical "
-          f"over {new_tokens} tokens", flush=True)
-    return float(same.float().mean())
+    result = {"prompts": len(ids), "new_tokens": new_tokens}
+    for way, tokens in split.items():
+        same = (tokens == one[way]).all(dim=1)
+        result[way] = float(same.float().mean())
+        print(f"greedy agreement of TP={world} with TP=1 on {path}, {way.replace('_', ' ')}: {int(same.sum())} of "
+              f"{len(ids)} prompts identical over {new_tokens} tokens", flush=True)
+    return result
 
 
 def run(model_name: str, batches=(1, 8), new_tokens: int = 256, repeats: int = 3, allreduce=("nccl", "one_shot"),
@@ -130,7 +139,8 @@ def run(model_name: str, batches=(1, 8), new_tokens: int = 256, repeats: int = 3
     rank, world = join_group(cuda), int(os.environ["WORLD_SIZE"])
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     report = {"model": model_name, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "torch": torch.__version__, "ceilings": ceilings(device), "allreduce_us_in_graph": {}, "rows": []}
+              "torch": torch.__version__, "mm_fp32_out": hasattr(torch.ops.aten.mm, "dtype"),
+              "ceilings": ceilings(device), "allreduce_us_in_graph": {}, "rows": []}
     if cuda:
         group = TPGroup(rank, world)
         os.environ["LLMPLUG_TP_ALLREDUCE"] = "one_shot"

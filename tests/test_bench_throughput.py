@@ -169,9 +169,11 @@ def test_cli_and_script(tmp_path, monkeypatch, capsys):
     assert "| c |" in capsys.readouterr().out
 
 
-def test_throughput_under_tensor_parallelism_on_cpu(tmp_path):
+@pytest.mark.parametrize("split_build", [False, True])
+def test_throughput_under_tensor_parallelism_on_cpu(tmp_path, split_build):
     """``llmplug bench throughput --tp 2`` relaunches itself under torchrun (two gloo processes): every rank serves the
-    same workload through the split model; rank 0 reports, every request at full length."""
+    same workload through the split model (with ``--split-build`` made split from the start, as a shape too big for
+    one GPU); rank 0 reports, every request at full length, the floor the whole model's."""
     import os
     import subprocess
     import sys
@@ -182,8 +184,10 @@ def test_throughput_under_tensor_parallelism_on_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, "-m", "llmplug.cli", "bench", "throughput", "--tp", "2", "--workloads", "b",
-                           "--scale", "0.02", "--out", str(out)], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
+                           "--scale", "0.02", "--out", str(out), *(["--split-build"] if split_build else [])],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["tp"] == 2 and res["runs"]["b"]["all_full_length"] and not res["runs"]["b"]["errors"]
+    whole = ModelCost.of(build("tiny-llama", torch.float32, "cpu"))
+    assert res["cost"]["weight_bytes"] == whole.weight_bytes

@@ -48,16 +48,21 @@ def build(name: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step must read: every parameter and persistent buffer once (quantized weights, their scales
     and zero points included; tied tensors counted once; RoPE tables are not weights), and one embedding row per token
-    rather than the whole table."""
+    rather than the whole table. On the meta device (no storage) tensors are told apart by identity."""
     saved = [b for m in model.modules() for name, b in m._buffers.items()
              if b is not None and name not in m._non_persistent_buffers_set]
     seen, total = set(), 0
     for t in [*model.parameters(), *saved]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        if _storage(t) not in seen:
+            seen.add(_storage(t))
             total += t.numel() * t.element_size()
     embed = model.get_input_embeddings().weight
     head = getattr(model.get_output_embeddings(), "weight", None)  # None for a quantized lm_head
-    if head is None or embed.data_ptr() != head.data_ptr():
+    if head is None or _storage(embed) != _storage(head):
         total -= embed.numel() * embed.element_size()  # only one embedding row per token is read
     return total
+
+
+def _storage(t: torch.Tensor):
+    """What tells shared weights apart: the data pointer, or on the meta device the tensor itself."""
+    return id(t) if t.is_meta else t.data_ptr()

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from tqdm.auto import tqdm
 
 import llmplug
@@ -25,9 +26,10 @@ import llmplug
 from ..config import OptimizeConfig
 from ..engine.params import EngineConfig, SamplingParams
 from ..engine.request import RequestOutput
+from ..parallel.load import build_split
 from ..state import state_of
 from . import report, timing, workloads
-from .shapes import build
+from .shapes import SHAPES, build
 from .workloads import ModelCost, Workload, floor
 
 __all__ = ["add_arguments", "main", "run"]
@@ -215,7 +217,8 @@ def run_generate_batch(model: torch.nn.Module, wl: Workload, requests: int | Non
 def run(model_name: str, device: str, dtype: torch.dtype, keys: tuple[str, ...] = ("a", "b", "c", "d", "e"), *,
         scale: float = 1.0, rates: tuple[float, ...] = (2, 4, 8, 16), online_requests: int = 128, stock: bool = True,
         stock_requests: int | None = None, engine_config: EngineConfig | None = None,
-        optimize_config: OptimizeConfig | None = None, ceilings: dict | None = None, save=None) -> dict:
+        optimize_config: OptimizeConfig | None = None, ceilings: dict | None = None, save=None,
+        split_build: bool = False) -> dict:
     """The whole serving suite on one model; ``save(results)`` is called after every phase (partial results).
 
     Args:
@@ -224,6 +227,8 @@ def run(model_name: str, device: str, dtype: torch.dtype, keys: tuple[str, ...] 
         rates: requests/s of the online runs (``"e"``), ``online_requests * scale`` requests each.
         stock, stock_requests: stock HF ``generate_batch`` on (a), on its first ``stock_requests`` requests.
         ceilings: ``timing.ceilings`` result; measured here when None (empty on CPU: no floor then).
+        split_build: build the named shape split over the ranks from the start (random slices: a shape too big for
+            one device), optimized with ``optimize_config``; the floors stay the whole model's.
     """
     engine_config = engine_config or EngineConfig()
     save = save or (lambda _: None)
@@ -231,9 +236,18 @@ def run(model_name: str, device: str, dtype: torch.dtype, keys: tuple[str, ...] 
     res: dict = {"env": report.environment(), "ceilings": ceil, "model": model_name, "device": device,
                  "dtype": str(dtype), "scale": scale, "workloads": list(keys),
                  "engine_config": dataclasses.asdict(engine_config), "runs": {}, "online": {}}
-    model = build(model_name, dtype, device)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    cost = ModelCost.of(model)
+    if split_build:  # each rank makes only its slices; the whole model's cost from its meta-device twin
+        with torch.device("meta"):
+            whole = transformers.AutoModelForCausalLM.from_config(SHAPES[model_name](), dtype=dtype)
+        overrides = {f.name: getattr(optimize_config, f.name) for f in dataclasses.fields(OptimizeConfig)
+                     if f.name != "tensor_parallel"}
+        model = build_split(SHAPES[model_name](), dtype, device, **overrides)
+        model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    else:
+        whole = model = build(model_name, dtype, device)
+    vocab = whole.get_output_embeddings().weight.shape[0]
+    cost = ModelCost.of(whole)
+    del whole
     res["cost"] = dataclasses.asdict(cost)
     offline = {k: workloads.build(k, vocab, scale) for k in keys if k != "e"}
     online = [workloads.online(vocab, r, scale, requests=online_requests) for r in rates] if "e" in keys else []
@@ -251,7 +265,8 @@ def run(model_name: str, device: str, dtype: torch.dtype, keys: tuple[str, ...] 
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
         done("stock")
-    llmplug.optimize(model, optimize_config)
+    if not split_build:
+        llmplug.optimize(model, optimize_config)
     res["optimize_config"] = dataclasses.asdict(state_of(model).runner.config)
     res["warmup_s"] = warm_up(model, engine_config, list(offline.values()) + online[:1], vocab)
     done("warm-up")
@@ -428,6 +443,8 @@ def add_arguments(p: argparse.ArgumentParser, default_out: str | None = None) ->
     p.add_argument("--tp", type=int, default=1, help="split the model over this many processes (GPUs): launches "
                                                      "itself under torchrun; every rank serves the same workloads, "
                                                      "rank 0 reports (no stock HF run)")
+    p.add_argument("--split-build", action="store_true", help="with --tp: build the shape split from the start "
+                                                                "(random slices; shapes too big for one GPU)")
     p.add_argument("--from-json", help="print the table and draw the plot of a saved result; run nothing")
 
 
@@ -464,6 +481,9 @@ def main(args: argparse.Namespace) -> int:
             args.device = f"cuda:{torch.cuda.current_device()}"
     cuda = torch.device(args.device).type == "cuda"
     model = args.model or ("llama-8b" if cuda else "tiny-llama")
+    if args.split_build and (args.tp < 2 or model not in SHAPES):
+        raise SystemExit(f"--split-build needs --tp of 2 or more and a named shape ({', '.join(sorted(SHAPES))}), got "
+                         f"--tp {args.tp} --model {model}")
     dtype = _DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
     scale = args.scale if args.scale is not None else (1.0 if cuda else 0.05)
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -489,7 +509,7 @@ def main(args: argparse.Namespace) -> int:
     res = run(model, args.device, dtype, tuple(args.workloads), scale=scale, rates=tuple(args.rates),
               online_requests=args.online_requests, stock=not args.no_stock and args.tp == 1,
               stock_requests=args.stock_requests, engine_config=engine_config, optimize_config=optimize_config,
-              save=save)
+              save=save, split_build=args.split_build)
     if args.tp > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

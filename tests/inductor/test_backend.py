@@ -127,3 +127,25 @@ def test_bf16_graphs_with_casts_match_too(family):
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
     report = llmplug.inductor.report()
     assert report["rms_norm"] == NORMS[family] and report["add_rms_norm"] == RESIDUAL_NORMS[family]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v with a bias (addmm)
+def test_one_row_projections_become_llmplug_gemv(monkeypatch, family):
+    """At one token every projection is a one-row product: each becomes ``llmplug::gemv`` (on CUDA; the CPU is let in
+    here to exercise the matching, its op being the reference), the lm_head too; two rows match none."""
+    from llmplug.inductor import gemv
+
+    monkeypatch.setattr(gemv, "DEVICES", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    model = make_model(family, dtype=torch.bfloat16)
+    layers = model.config.num_hidden_layers
+    for ids, projections in ((torch.tensor([[5]]), 7 * layers + 1), (torch.tensor([[5, 9]]), 0)):
+        with torch.no_grad():
+            expected = torch.compile(model)(input_ids=ids).logits
+            torch._dynamo.reset()
+            llmplug.inductor.reset_report()
+            got = torch.compile(model, backend="llmplug")(input_ids=ids).logits
+            torch._dynamo.reset()
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2,
+                                   atol=2e-2 * expected.float().abs().max().item())  # bf16 roundings of other kernels
+        assert llmplug.inductor.report()["gemv"] == projections

@@ -15,7 +15,10 @@ import torch
 PRIVATE_APIS = (("torch._inductor.config", "post_grad_custom_post_pass"), ("torch._inductor.config", "patch"),
                 ("torch._inductor.config", "fx_graph_cache"), ("torch._inductor.compile_fx", "compile_fx"),
                 ("torch._inductor.custom_graph_pass", "CustomGraphPass"),
-                ("torch._dynamo.backends.registry", "register_backend"), ("torch", "_TorchCompileInductorWrapper"))
+                ("torch._dynamo.backends.registry", "register_backend"), ("torch", "_TorchCompileInductorWrapper"),
+                ("torch._inductor.pattern_matcher", "register_replacement"),
+                ("torch._inductor.pattern_matcher", "PatternMatcherPass"),
+                ("torch._inductor.pattern_matcher", "fwd_only"))
 
 
 def check_apis() -> None:

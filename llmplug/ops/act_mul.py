@@ -1,6 +1,7 @@
-"""Gated activations: ``act(x[..., :N]) * x[..., N:]`` for SiLU (Llama, Qwen, Mistral, Phi-3) and GELU-tanh (Gemma).
+"""Gated activations: ``act(gate) * up`` for SiLU (Llama, Qwen, Mistral, Phi-3) and GELU-tanh (Gemma).
 
-The MLP's fused gate/up projection produces ``gu: (T, 2N)``; this op turns it into ``(T, N)`` in one pass.
+The MLP's fused gate/up projection produces ``gu: (T, 2N)``, which :func:`act_and_mul` turns into ``(T, N)`` in one
+pass; :func:`act_mul` takes the halves as two tensors (separate projections, as a compiled HF graph has them).
 """
 
 from __future__ import annotations
@@ -25,13 +26,18 @@ from ._triton import (
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
+def act_mul_ref(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """Reference. ``gate, up: (..., N)`` -> ``(..., N)`` in their dtype; math in fp32, rounded where HF's MLP rounds:
+    ``act(gate)`` to the dtype, then the product."""
+    g = gate.float()
+    act = F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
+    return (act.to(gate.dtype).float() * up.float()).to(gate.dtype)
+
+
 def act_and_mul_ref(gu: torch.Tensor, activation: str) -> torch.Tensor:
-    """Reference. ``gu: (T, 2N)`` -> ``(T, N)`` in ``gu.dtype``; math in fp32, rounded where HF's MLP rounds:
-    ``act(gate)`` to ``gu.dtype``, then the product."""
+    """Reference. ``gu: (T, 2N)`` -> ``(T, N)``: :func:`act_mul_ref` of its halves."""
     n = gu.shape[-1] // 2
-    gate, up = gu[..., :n].float(), gu[..., n:].float()
-    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-    return (act.to(gu.dtype).float() * up).to(gu.dtype)
+    return act_mul_ref(gu[..., :n], gu[..., n:], activation)
 
 
 if triton is not None:
@@ -63,38 +69,56 @@ if triton is not None:
         tl.store(out_ptr + cols, out.to(dt), mask=cols < n_out)
 
     @triton.jit
-    def _act_and_mul_kernel(gu_ptr, out_ptr, N, stride_gu, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                            INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+    def _act_mul_kernel(gate_ptr, up_ptr, out_ptr, N, stride_gate, stride_up, stride_out, ACT: tl.constexpr,
+                        BLOCK: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         wait_inputs(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
-        gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gu_ptr + row * stride_gu + N + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
         dt = out_ptr.dtype.element_ty
         out = rounded(gated_act(gate, up, ACT, dt, INTERPRETED), dt, INTERPRETED)
         tl.store(out_ptr + row * stride_out + cols, out.to(dt), mask=mask)
 
 
-@llmplug_op("act_and_mul")
-def _act_and_mul_op(gu: torch.Tensor, activation: str) -> torch.Tensor:
-    if not use_triton(gu):
-        return act_and_mul_ref(gu, activation)
-    assert gu.dim() == 2 and gu.stride(-1) == 1, "gu must be (T, 2N) with unit stride on the last dim"
-    rows, n = gu.shape[0], gu.shape[1] // 2
-    out = gu.new_empty((rows, n))
+@llmplug_op("act_mul")
+def _act_mul_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    if not use_triton(gate):
+        return act_mul_ref(gate, up, activation)
+    n = gate.shape[-1]
+    out = gate.new_empty(gate.shape)
+    rows = out.numel() // n if n else 0
     if rows == 0:
         return out
+    gate, up = (t.reshape(rows, n) if t.stride(-1) == 1 else t.contiguous().view(rows, n) for t in (gate, up))
     block = min(1024, next_pow2(n))
     grid = (rows, triton.cdiv(n, block))
-    maybe_wrap(_act_and_mul_kernel)[grid](gu, out, n, gu.stride(0), out.stride(0), ACT=activation, BLOCK=block,
-                                           INTERPRETED=INTERPRET, **pdl_options(gu))
+    maybe_wrap(_act_mul_kernel)[grid](gate, up, out, n, gate.stride(0), up.stride(0), n, ACT=activation,
+                                       BLOCK=block, INTERPRETED=INTERPRET, **pdl_options(gate))
     return out
 
 
-@_act_and_mul_op.register_fake
-def _(gu, activation):
-    return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
+@_act_mul_op.register_fake
+def _(gate, up, activation):
+    return gate.new_empty(gate.shape)
+
+
+def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up``, rounded where HF's MLP rounds (``act(gate)`` to the dtype first).
+
+    Args:
+        gate, up: ``(..., N)`` of one shape and dtype (bf16/fp16/fp32).
+        activation: ``"silu"`` or ``"gelu_tanh"``.
+
+    Returns:
+        ``(..., N)`` in their dtype.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match")
+    return call_op(_act_mul_op, gate, up, activation)
 
 
 def act_and_mul(gu: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -107,11 +131,8 @@ def act_and_mul(gu: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     Returns:
         ``(..., N)`` in ``gu.dtype``.
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
-    lead = gu.shape[:-1]
-    out = call_op(_act_and_mul_op, gu.reshape(-1, gu.shape[-1]), activation)
-    return out.view(*lead, -1)
+    n = gu.shape[-1] // 2
+    return act_mul(gu[..., :n], gu[..., n:], activation)
 
 
 def check_gated(gated: str, rows: int) -> None:

@@ -1,5 +1,5 @@
 """``torch.compile(model, backend="llmplug")`` on the CPU (fp32): logits as the default backend's, greedy ``generate``
-as stock's, every RMSNorm of every layer matched, a user's own post-grad pass still running."""
+as stock's, every RMSNorm and gated activation of every layer matched, a user's own post-grad pass still running."""
 
 import pytest
 import torch
@@ -45,6 +45,7 @@ def test_logits_match_and_every_norm_is_found(family):
     report = llmplug.inductor.report()
     assert report["rms_norm"] == NORMS[family]
     assert report["add_rms_norm"] == RESIDUAL_NORMS[family]
+    assert report["act_mul"] == model.config.num_hidden_layers  # one gated activation a layer (Gemma 2: GELU-tanh)
 
 
 def test_greedy_generate_equals_stock():
@@ -127,6 +128,7 @@ def test_bf16_graphs_with_casts_match_too(family):
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
     report = llmplug.inductor.report()
     assert report["rms_norm"] == NORMS[family] and report["add_rms_norm"] == RESIDUAL_NORMS[family]
+    assert report["act_mul"] == model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v with a bias (addmm)

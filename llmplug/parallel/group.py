@@ -51,11 +51,12 @@ class TPGroup:
             warnings.warn(f"symmetric memory is unavailable ({error}); tensor-parallel all-reduces use NCCL",
                           stacklevel=2)
 
-    def all_reduce(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, fence: bool = False) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``, or with ``out_dtype`` the sum in that dtype (fp32
-        partial products summed before one rounding)."""
+        partial products summed before one rounding). ``fence``: through NCCL whatever the size, so that no rank
+        runs past it before every rank has finished its earlier kernels (:mod:`llmplug.parallel.one_shot`)."""
         one_shot = self._symm.get("one_shot")
-        if one_shot is not None and one_shot.fits(x):
+        if one_shot is not None and one_shot.fits(x) and not fence:
             same = out_dtype in (None, x.dtype)
             return one_shot(x, x if same else torch.empty(x.shape, dtype=out_dtype, device=x.device))
         dist.all_reduce(x, group=self.group)

@@ -7,8 +7,10 @@ another dtype (fp32 partial products summed, then rounded once to bf16).
 
 One barrier is enough because consecutive calls use the two slots in turn: a rank writes a slot again only after the
 barrier of the call between, which every peer reaches only once its kernel that read the slot has finished (kernels
-on a stream run in order). A captured graph keeps that order; between a model's forwards, their logits gather (NCCL)
-orders the ranks the same way. The flags reset themselves (set 0 -> 1 by the sender, 1 -> 0 by the receiver), so
+on a stream run in order). A captured graph keeps that order within it; where two graphs (or a graph and eager calls)
+meet, the order is their capture's, so every forward opens with a fence: the embedding's all-reduce goes through NCCL
+(``TPGroup.all_reduce(fence=True)``), which no rank leaves before every rank has finished its earlier kernels.
+The flags reset themselves (set 0 -> 1 by the sender, 1 -> 0 by the receiver), so
 the kernel replays in CUDA graphs. The CPU path (gloo) is plain ``dist.all_reduce``; GPU tests compare the two.
 """
 

@@ -230,7 +230,8 @@ def _shard_vocab(split: _Split, model: torch.nn.Module, vocab: int) -> None:
         local = input_ids - first
         inside = (local >= 0) & (local < rows)
         out = F.embedding(local.clamp(0, rows - 1), embed.weight)
-        out = tp.all_reduce(out.masked_fill(~inside[..., None], 0))
+        # through NCCL: a forward's first collective is a barrier, which the one-shot all-reduce's slots rely on
+        out = tp.all_reduce(out.masked_fill(~inside[..., None], 0), fence=True)
         scale = getattr(embed, "embed_scale", None)  # Gemma 3's scaled embedding
         return out * scale.to(out.dtype) if scale is not None else out
 

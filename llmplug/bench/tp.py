@@ -27,6 +27,7 @@ import llmplug
 
 from ..parallel.group import TPGroup
 from ..parallel.load import build_split
+from ..patches.decoder import MM_FP32_OUT
 from ..state import state_of
 from .shapes import SHAPES, build, weight_bytes
 from .spec import decisive, held_out_files, timed
@@ -139,7 +140,7 @@ def run(model_name: str, batches=(1, 8), new_tokens: int = 256, repeats: int = 3
     rank, world = join_group(cuda), int(os.environ["WORLD_SIZE"])
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     report = {"model": model_name, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "torch": torch.__version__, "mm_fp32_out": hasattr(torch.ops.aten.mm, "dtype"),
+              "torch": torch.__version__, "mm_fp32_out": MM_FP32_OUT,
               "ceilings": ceilings(device), "allreduce_us_in_graph": {}, "rows": []}
     if cuda:
         group = TPGroup(rank, world)

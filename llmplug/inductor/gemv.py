@@ -12,28 +12,24 @@ from __future__ import annotations
 import torch
 
 from ..ops.gemv import choose_config
-from .rms_norm import _dtype, _is
+from .nodes import dtype, is_call, value
 
 aten = torch.ops.aten
 DEVICES = ("cuda",)  # where the GEMV is a kernel of its own; tests add "cpu" to exercise the matching
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
 def match(node: torch.fx.Node) -> dict | None:
     """``mm``/``addmm`` ``node`` of one row by a transposed weight -> ``{x, weight, bias}`` or None."""
-    if _is(node, aten.mm.default):
+    if is_call(node, aten.mm.default):
         bias, (x, wt) = None, node.args
-    elif _is(node, aten.addmm.default) and not node.kwargs:
+    elif is_call(node, aten.addmm.default) and not node.kwargs:
         bias, x, wt = node.args
     else:
         return None
-    if not _is(wt, aten.permute.default) or list(wt.args[1]) != [1, 0]:
+    if not is_call(wt, aten.permute.default) or list(wt.args[1]) != [1, 0]:
         return None
     weight = wt.args[0]
-    xv, wv = _val(x), _val(weight)
+    xv, wv = value(x), value(weight)
     if xv is None or wv is None or xv.dim() != 2 or wv.dim() != 2 or not isinstance(xv.shape[0], int):
         return None  # a symbolic row count (dynamic shapes) is not known to be one
     if xv.shape[0] != 1 or xv.stride(1) != 1 or wv.stride(1) != 1 or xv.dtype != wv.dtype or \
@@ -41,7 +37,7 @@ def match(node: torch.fx.Node) -> dict | None:
         return None
     if wv.device.type not in DEVICES:
         return None
-    if bias is not None and (_dtype(bias) != xv.dtype or _val(bias).shape != (wv.shape[0],)):
+    if bias is not None and (dtype(bias) != xv.dtype or value(bias).shape != (wv.shape[0],)):
         return None
     return {"x": x, "weight": weight, "bias": bias}
 
@@ -53,7 +49,7 @@ def replace(graph: torch.fx.Graph) -> int:
         found = match(node)
         if found is None:
             continue
-        n, k = _val(found["weight"]).shape
+        n, k = value(found["weight"]).shape
         with graph.inserting_before(node):
             gemv = graph.call_function(torch.ops.llmplug.gemv.default,
                                        (found["x"], found["weight"], found["bias"], "", *choose_config(n, k), False))

@@ -13,16 +13,14 @@ import operator
 
 import torch
 
+from .nodes import dtype, is_call, value
+
 aten, prims = torch.ops.aten, torch.ops.prims
 _CAST = prims.convert_element_type.default
 
 
 def _arg(node, i):
     return node.args[i] if len(node.args) > i else None
-
-
-def _is(node, target) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
 
 
 def _only_user(node):
@@ -36,47 +34,42 @@ def _other(node, known):
     return b if a is known else a if b is known else None
 
 
-def _dtype(node) -> torch.dtype | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return getattr(val, "dtype", None)
-
-
 def match(rsqrt: torch.fx.Node) -> dict | None:
     """The RMSNorm around ``rsqrt`` -> ``{x, weight, eps, offset, out}`` or None."""
     add = _arg(rsqrt, 0)
-    if not _is(add, aten.add.Tensor) or not isinstance(add.args[1], float):
+    if not is_call(add, aten.add.Tensor) or not isinstance(add.args[1], float):
         return None
     mean = add.args[0]
-    if not _is(mean, aten.mean.dim) or list(mean.args[1]) != [-1] or not (len(mean.args) > 2 and mean.args[2]):
+    if not is_call(mean, aten.mean.dim) or list(mean.args[1]) != [-1] or not (len(mean.args) > 2 and mean.args[2]):
         return None
     square = mean.args[0]
-    if not _is(square, aten.pow.Tensor_Scalar) or square.args[1] != 2:
+    if not is_call(square, aten.pow.Tensor_Scalar) or square.args[1] != 2:
         return None
     xf = square.args[0]
-    x = xf.args[0] if _is(xf, _CAST) and xf.args[1] == torch.float32 else xf
-    if _dtype(mean) != torch.float32:
+    x = xf.args[0] if is_call(xf, _CAST) and xf.args[1] == torch.float32 else xf
+    if dtype(mean) != torch.float32:
         return None
-    normed = next((u for u in rsqrt.users if _is(u, aten.mul.Tensor) and _other(u, rsqrt) is xf), None)
+    normed = next((u for u in rsqrt.users if is_call(u, aten.mul.Tensor) and _other(u, rsqrt) is xf), None)
     if normed is None or len(rsqrt.users) != 1:
         return None
     step = _only_user(normed)
-    if _is(step, _CAST) and step.args[1] == _dtype(x):  # Llama: round to x's dtype, then the weight
+    if is_call(step, _CAST) and step.args[1] == dtype(x):  # Llama: round to x's dtype, then the weight
         mul = _only_user(step)
-        if _is(mul, aten.mul.Tensor):
+        if is_call(mul, aten.mul.Tensor):
             weight = _other(mul, step)
-            if _dtype(weight) == _dtype(x) and _dtype(mul) == _dtype(x):
+            if dtype(weight) == dtype(x) and dtype(mul) == dtype(x):
                 return {"x": x, "weight": weight, "eps": add.args[1], "offset": 0.0, "out": mul}
         return None
-    if _is(step, aten.mul.Tensor):
+    if is_call(step, aten.mul.Tensor):
         scale = _other(step, normed)
-        if _is(scale, aten.add.Tensor) and scale.args[1] == 1.0:  # Gemma: (1 + w) in fp32, cast at the end
-            weight = scale.args[0].args[0] if _is(scale.args[0], _CAST) else scale.args[0]
+        if is_call(scale, aten.add.Tensor) and scale.args[1] == 1.0:  # Gemma: (1 + w) in fp32, cast at the end
+            weight = scale.args[0].args[0] if is_call(scale.args[0], _CAST) else scale.args[0]
             end = _only_user(step)
-            out = end if _is(end, _CAST) and end.args[1] == _dtype(x) else step
-            if _dtype(out) == _dtype(x):
+            out = end if is_call(end, _CAST) and end.args[1] == dtype(x) else step
+            if dtype(out) == dtype(x):
                 return {"x": x, "weight": weight, "eps": add.args[1], "offset": 1.0, "out": out}
             return None
-        if _dtype(x) == torch.float32 and _dtype(scale) == torch.float32:  # Llama in fp32: no casts at all
+        if dtype(x) == torch.float32 and dtype(scale) == torch.float32:  # Llama in fp32: no casts at all
             return {"x": x, "weight": scale, "eps": add.args[1], "offset": 0.0, "out": step}
     return None
 
@@ -85,7 +78,7 @@ def replace(graph: torch.fx.Graph) -> int:
     """Replace every RMSNorm of ``graph`` with ``llmplug::rms_norm``; returns how many."""
     count = 0
     for node in list(graph.nodes):
-        if not _is(node, aten.rsqrt.default):
+        if not is_call(node, aten.rsqrt.default):
             continue
         found = match(node)
         if found is None:
@@ -106,13 +99,13 @@ def fuse_residual(graph: torch.fx.Graph) -> int:
     ``llmplug::add_rms_norm(a, b, ...)``, whose second output replaces every other use of the sum; returns how many."""
     count = 0
     for node in list(graph.nodes):
-        if not _is(node, torch.ops.llmplug.rms_norm.default):
+        if not is_call(node, torch.ops.llmplug.rms_norm.default):
             continue
         add = node.args[0]
-        if not _is(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs:
+        if not is_call(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs:
             continue
         a, b = add.args
-        vals = [getattr(t, "meta", {}).get("val") for t in (a, b, add)]
+        vals = [value(t) for t in (a, b, add)]
         if any(v is None for v in vals) or len({(str(v.shape), v.dtype) for v in vals}) != 1:
             continue  # a scalar or a broadcast: not a residual add
         with graph.inserting_before(node):

@@ -10,7 +10,6 @@ rows, padded to 16 (the MMA's short side): the weight read stays the step's whol
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._triton import (
     call_op,
@@ -23,7 +22,8 @@ from ._triton import (
     use_triton,
     wait_inputs,
 )
-from .act_mul import act_and_mul, act_and_mul_ref, check_gated
+from .act_mul import act_and_mul, check_gated
+from .gemv import gemv_ref
 
 MAX_ROWS = 8  # most rows this op takes; the decoder sends 2..MAX_ROWS-row CUDA inputs here
 
@@ -31,11 +31,8 @@ MAX_ROWS = 8  # most rows this op takes; the decoder sends 2..MAX_ROWS-row CUDA 
 def skinny_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     gated: str = "", fp32_out: bool = False) -> torch.Tensor:
     """Reference. ``x: (M, K)``, ``weight: (N, K)`` -> ``(M, N)``, or ``(M, N / 2)`` ``act(gate) * up`` with
-    ``gated``; unrounded fp32 with ``fp32_out``."""
-    if fp32_out:
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    y = F.linear(x, weight, bias)
-    return act_and_mul_ref(y, gated) if gated else y
+    ``gated``; unrounded fp32 with ``fp32_out``: :func:`~llmplug.ops.gemv.gemv_ref`, which holds for any row count."""
+    return gemv_ref(x, weight, bias, gated, fp32_out)
 
 
 if triton is not None:

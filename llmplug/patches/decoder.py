@@ -46,7 +46,7 @@ class FamilySpec:
     rope_per_layer_type: bool = False
 
 
-_MM_FP32_OUT = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) (CUDA, 16-bit in, fp32 out)
+MM_FP32_OUT = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) (CUDA, 16-bit in, fp32 out)
 
 
 class Dense:
@@ -60,21 +60,15 @@ class Dense:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: (M, K)`` -> ``(M, N)``."""
+    def matmul(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+        """``x: (M, K)`` -> ``(M, N)``; with ``fp32_out`` in fp32, unrounded (a row-parallel rank's share)."""
         if x.is_cuda and x.shape[0] <= skinny_gemv.MAX_ROWS:
             if x.shape[0] == 1:
-                return gemv(x, self.weight, self.bias)
-            return skinny_gemv.skinny_gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T (+ bias)`` in fp32, unrounded: ``(M, K)`` -> ``(M, N)`` fp32 (a row-parallel rank's share)."""
-        if x.is_cuda and x.shape[0] <= skinny_gemv.MAX_ROWS:
-            if x.shape[0] == 1:
-                return gemv(x, self.weight, self.bias, fp32_out=True)
-            return skinny_gemv.skinny_gemv(x, self.weight, self.bias, fp32_out=True)
-        if x.is_cuda and _MM_FP32_OUT:
+                return gemv(x, self.weight, self.bias, fp32_out=fp32_out)
+            return skinny_gemv.skinny_gemv(x, self.weight, self.bias, fp32_out=fp32_out)
+        if not fp32_out or x.dtype == torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        if x.is_cuda and MM_FP32_OUT:
             out = torch.mm(x, self.weight.t(), out_dtype=torch.float32)  # cuBLAS, fp32 accumulators kept
             return out if self.bias is None else out + self.bias.float()
         if x.is_cuda:  # a torch without mm's out_dtype: rounded like one GPU's product, then widened
@@ -173,7 +167,7 @@ class FusedDecoder:
                 n_heads, n_kv = head_split(n_heads, n_kv, tp.size)
             o, down = _linear_of(attn.o_proj), _linear_of(layer.mlp.down_proj)
             if tp is not None:
-                o, down = RowParallel(o, tp), RowParallel(down, tp)
+                o, down = (RowParallel(lin, tp, fp32_shares=isinstance(lin, Dense)) for lin in (o, down))
             window = getattr(text, "sliding_window", None) if spec.window_from_config else \
                 getattr(attn, "sliding_window", None)
             self.layers.append(_Layer(

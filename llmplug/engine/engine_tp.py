@@ -79,8 +79,9 @@ class RankZeroRequests:
             with engine._lock:
                 mine = {r.request_id: r for r in engine._inbox}
                 if all(i in mine for i in ids):
-                    engine._inbox = [r for r in engine._inbox if r.request_id not in set(ids)]
-                    engine._aborts = [a for a in engine._aborts if a not in set(aborts)]
+                    taken, aborted = set(ids), set(aborts)
+                    engine._inbox = [r for r in engine._inbox if r.request_id not in taken]
+                    engine._aborts = [a for a in engine._aborts if a not in aborted]
                     return [mine[i] for i in ids], aborts
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank 0 took requests {ids} that rank {self.tp.rank} was not given within "

@@ -89,6 +89,21 @@ def test_floor_in_the_run_matches_the_formula(suite):
         assert res["runs"][label]["floor"]["floor_s"] == pytest.approx(want["floor_s"])
 
 
+def test_floor_of_a_split_model_is_the_groups():
+    """Under tensor parallelism (``devices=2``) the floor is the whole group's: both ceilings doubled; the JSON keeps
+    one device's measured ceilings and says how many devices the floor counts, and so does the table."""
+    res = throughput.run("tiny-llama", "cpu", torch.float32, ("b",), scale=0.015, stock=False, ceilings=CEIL,
+                         optimize_config=OptimizeConfig(kv_num_blocks=256), devices=2)
+    assert res["ceilings"] == CEIL and res["floor_devices"] == 2
+    cost = ModelCost(**res["cost"])
+    wl = workloads.build("b", build("tiny-llama", torch.float32, "cpu").get_output_embeddings().weight.shape[0],
+                         0.015)
+    want = floor(cost, wl.prompt_lens, wl.output_lens, 2 * CEIL["read_bytes_per_s"], 2 * CEIL["bf16_flops_per_s"],
+                 EngineConfig().max_num_seqs)
+    assert res["runs"]["b"]["floor"]["floor_s"] == pytest.approx(want["floor_s"])
+    assert "of each of 2 GPUs" in "\n".join(throughput.table(res))
+
+
 def test_table_and_plot(suite, tmp_path, monkeypatch):
     res, _ = suite
     text = "\n".join(throughput.table(res))
@@ -189,5 +204,6 @@ def test_throughput_under_tensor_parallelism_on_cpu(tmp_path, split_build):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["tp"] == 2 and res["runs"]["b"]["all_full_length"] and not res["runs"]["b"]["errors"]
+    assert res["floor_devices"] == 2
     whole = ModelCost.of(build("tiny-llama", torch.float32, "cpu"))
     assert res["cost"]["weight_bytes"] == whole.weight_bytes

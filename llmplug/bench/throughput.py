@@ -1,9 +1,9 @@
 """Serving benchmark of :class:`llmplug.Engine`: offline workloads (a)-(d), Poisson arrivals (e), stock HF
 ``generate_batch`` on (a), every figure beside the physical floor of the run.
 
-The physical floor of a run (dense decoder, one device; see :func:`llmplug.bench.workloads.floor`) is the time an ideal
-engine would need at the measured ceilings; ``fraction_of_floor = floor_s / wall_s`` says how close the engine gets
-(1.0: as fast as the ideal engine).
+The physical floor of a run (dense decoder; see :func:`llmplug.bench.workloads.floor`) is the time an ideal engine
+would need at the measured ceilings of the GPUs it runs on; ``fraction_of_floor = floor_s / wall_s`` says how close the
+engine gets (1.0: as fast as the ideal engine).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def run(model_name: str, device: str, dtype: torch.dtype, keys: tuple[str, ...] 
         scale: float = 1.0, rates: tuple[float, ...] = (2, 4, 8, 16), online_requests: int = 128, stock: bool = True,
         stock_requests: int | None = None, engine_config: EngineConfig | None = None,
         optimize_config: OptimizeConfig | None = None, ceilings: dict | None = None, save=None,
-        split_build: bool = False) -> dict:
+        split_build: bool = False, devices: int = 1) -> dict:
     """The whole serving suite on one model; ``save(results)`` is called after every phase (partial results).
 
     Args:
@@ -229,12 +229,15 @@ def run(model_name: str, device: str, dtype: torch.dtype, keys: tuple[str, ...] 
         ceilings: ``timing.ceilings`` result; measured here when None (empty on CPU: no floor then).
         split_build: build the named shape split over the ranks from the start (random slices: a shape too big for
             one device), optimized with ``optimize_config``; the floors stay the whole model's.
+        devices: the GPUs the model is split over (tensor parallelism): the floors are the group's, at ``devices``
+            times one device's measured ceilings (communication left out), so a run's fraction compares with TP=1's.
     """
     engine_config = engine_config or EngineConfig()
     save = save or (lambda _: None)
-    ceil = timing.ceilings(device) if ceilings is None else ceilings
-    res: dict = {"env": report.environment(), "ceilings": ceil, "model": model_name, "device": device,
-                 "dtype": str(dtype), "scale": scale, "workloads": list(keys),
+    one = timing.ceilings(device) if ceilings is None else ceilings
+    ceil = {k: v * devices for k, v in one.items()}  # the floors' ceilings: the whole group's
+    res: dict = {"env": report.environment(), "ceilings": one, "floor_devices": devices, "model": model_name,
+                 "device": device, "dtype": str(dtype), "scale": scale, "workloads": list(keys),
                  "engine_config": dataclasses.asdict(engine_config), "runs": {}, "online": {}}
     if split_build:  # each rank makes only its slices; the whole model's cost from its meta-device twin
         with torch.device("meta"):
@@ -332,8 +335,11 @@ def table(res: dict) -> list[str]:
              f"torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}, commit "
              f"{env['commit']}, command `{env['command']}`"]
     if ceil:
+        devices = res.get("floor_devices", 1)
+        group = f" of each of {devices} GPUs (tensor parallelism; communication left out)" if devices > 1 else ""
         lines.append(f"floor at the measured read bandwidth {ceil['read_bytes_per_s'] / 1e12:.2f} TB/s and matmul rate "
-                     f"{ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s (formula: `llmplug/bench/throughput.py` floor)")
+                     f"{ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s{group} (formula: `llmplug/bench/throughput.py` "
+                     "floor)")
     head = ("| run | requests | in / out tokens | wall s | output tok/s | total tok/s | floor s | % of floor "
             "| TTFT P50/95/99 ms | TPOT P50/95/99 ms | ITL P50/95/99 ms | E2E P50/95/99 s | KV use mean/max "
             "| KV waste max | prefix hits | preemptions |")
@@ -509,7 +515,7 @@ def main(args: argparse.Namespace) -> int:
     res = run(model, args.device, dtype, tuple(args.workloads), scale=scale, rates=tuple(args.rates),
               online_requests=args.online_requests, stock=not args.no_stock and args.tp == 1,
               stock_requests=args.stock_requests, engine_config=engine_config, optimize_config=optimize_config,
-              save=save, split_build=args.split_build)
+              save=save, split_build=args.split_build, devices=args.tp)
     if args.tp > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -131,11 +131,12 @@ def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
     NOTE: H200, 2026-11-22, benchmarks/gemv_sweep.py, GB/s with cuBLAS in brackets. Wide outputs: 8B gate_up (16,
     256, 4, 4) 4329 [3921], lm_head 4563 [4422]. Wider-than-deep q/k/v: 8B (8, 512, 4, 4) 3576 [3108], 1B (8, 1024,
     8, 3) 2678 [1919]. Square and deep (o, down): (2, 1024, 4, 4), 8B o 3181 [2707], down 3966 [3822], 1B down 3266
-    [2654].
+    [2654]. Nearly square counts as square: H100, 2026-11-27, ``gemv_sweep.py --tp``, 70B down at TP=4 (8192, 7168)
+    (2, 1024, 4, 4) 2845 against (8, 512, 4, 4) 2601 [2817].
     """
     if n >= 16384:
         return (16, 256, 4, 4)
-    if k < n:
+    if 4 * n >= 5 * k:  # wider than deep by a quarter or more
         return (8, 1024, 8, 3) if k <= 2048 else (8, 512, 4, 4)
     return (2, 1024, 4, 4)
 

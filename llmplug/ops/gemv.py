@@ -37,15 +37,15 @@ from .rms_norm import add_rms_norm_ref, rms_scale
 NORM_BLOCK = 1024  # elements of x + residual the norm prologue reads at a time (more raises register use)
 
 
-def norm_in_prologue(weight: torch.Tensor) -> bool:
-    """Whether :func:`add_norm_gemv` beats the norm kernel + :func:`gemv` on this weight.
+def norm_in_prologue(numel: int) -> bool:
+    """Whether :func:`add_norm_gemv` beats the norm kernel + :func:`gemv` on a weight of ``numel`` elements.
 
     The prologue saves one launch (a fixed ~1-3 us), but every program re-derives the normalised input it reads, a
     cost that grows with the weight's size. NOTE: H200, 2026-11-22, ``benchmarks/gemv_sweep.py out.json --norm`` (us,
     norm + gemv vs fused): 1B q/k/v 5.44 vs 4.47, 1B gate/up 22.13 vs 19.20, 8B q/k/v 15.57 vs 14.97; 8B gate/up
     57.15 vs 59.03, lm_head (128256 rows) 1B 119.35 vs 123.32, 8B 236.0 vs 249.9. Hence up to 2^26 elements.
     """
-    return weight.numel() <= 1 << 26
+    return numel <= 1 << 26
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: str = "",
@@ -101,14 +101,26 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, eps, offset, N, K, stride_wn,
-                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD_NORM: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
-                     INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+    def _stacked_rows(w_ptr, wb_ptr, wc_ptr, rows, N_A, N_AB, stride_wn):
+        """Where each of ``rows`` starts when the weight is up to three tensors stacked: rows below ``N_A`` are the
+        first's, below ``N_AB`` the second's (from its row 0), the rest the third's."""
+        in_b, in_c = rows >= N_A, rows >= N_AB
+        local = rows - tl.where(in_c, N_AB, tl.where(in_b, N_A, 0))
+        return tl.where(in_c, wc_ptr, tl.where(in_b, wb_ptr, w_ptr)) + local.to(tl.int64) * stride_wn
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, wb_ptr, wc_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, eps, offset, N, N_A,
+                     N_AB, K, stride_wn, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD_NORM: tl.constexpr,
+                     ROUND_FIRST: tl.constexpr, STACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, INTERPRETED: tl.constexpr,
+                     PDL: tl.constexpr):
         pid = tl.program_id(0)
         rows, row_mask = gemv_rows(pid, N, BLOCK_N, GATED)
         cols = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+        if STACKED:  # rows of up to three weights (N_A, N_AB): :func:`gemv_group`
+            w_ptrs = _stacked_rows(w_ptr, wb_ptr, wc_ptr, rows, N_A, N_AB, stride_wn)[:, None] + cols[None, :]
+        else:
+            w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
         # the first weight tile is read before waiting for x (under PDL, while the previous kernel finishes)
         w = tl.load(w_ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
         wait_inputs(PDL)
@@ -151,18 +163,24 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g
     return _launch(x, weight, bias, gated, (block_n, block_k, num_warps, num_stages), fp32_out=fp32_out)
 
 
-def _launch(x, weight, bias, gated, config, norm=None, fp32_out=False):
+def _launch(x, weight, bias, gated, config, norm=None, fp32_out=False, stacked=()):
     """Launch the GEMV; ``norm = (residual, norm_weight, eps, offset, residual_out)`` adds the norm prologue;
-    ``fp32_out``: the unrounded fp32 product."""
+    ``fp32_out``: the unrounded fp32 product; ``stacked``: one or two more weights whose rows follow ``weight``'s
+    (same K and row stride)."""
     block_n, block_k, num_warps, num_stages = config
-    n, k = weight.shape
+    weights = (weight, *stacked)
+    k = weight.shape[1]
+    n_a = weight.shape[0]
+    n_ab = n_a + (stacked[0].shape[0] if stacked else 0)
+    n = sum(w.shape[0] for w in weights)
     out = x.new_empty((1, n // 2 if gated else n), dtype=torch.float32 if fp32_out else x.dtype)
     residual, norm_weight, eps, offset, residual_out = norm or (x, x, 0.0, 0.0, x)
     norm_block = min(NORM_BLOCK, next_pow2(k))
     maybe_wrap(_gemv_kernel)[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, residual, norm_weight, residual_out, eps, offset, n, k,
-        weight.stride(0), HAS_BIAS=bias is not None, GATED=gated, ADD_NORM=norm is not None,
-        ROUND_FIRST=offset == 0.0, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(k)),
+        x, weight, weights[min(1, len(stacked))], weights[len(stacked)], bias if bias is not None else weight, out,
+        residual, norm_weight, residual_out, eps, offset, n, n_a, n_ab, k, weight.stride(0), HAS_BIAS=bias is not None,
+        GATED=gated, ADD_NORM=norm is not None, ROUND_FIRST=offset == 0.0, STACKED=bool(stacked), BLOCK_N=block_n,
+        BLOCK_K=min(block_k, next_pow2(k)),
         NORM_BLOCK=norm_block, NORM_STEPS=triton.cdiv(k, norm_block), INTERPRETED=INTERPRET, num_warps=num_warps,
         num_stages=num_stages, **pdl_options(x))
     return out
@@ -198,9 +216,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def _checked_config(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None,
-                    gated: str) -> tuple[int, int, int, int]:
-    """Validate :func:`gemv`'s arguments; the launch config (an even row count a program when gated)."""
-    n, k = weight.shape
+                    gated: str, n: int | None = None) -> tuple[int, int, int, int]:
+    """Validate :func:`gemv`'s arguments; the launch config (an even row count a program when gated). ``n``: the
+    rows of the stacked weights (:func:`gemv_group`), else ``weight``'s."""
+    n, k = n or weight.shape[0], weight.shape[1]
     check_gated(gated, n)
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k:
         raise ValueError(f"gemv needs x of shape (1, {k}), got {tuple(x.shape)}")
@@ -254,3 +273,73 @@ def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     config = _checked_config(x, weight, config, gated)
     return call_op(_add_norm_gemv_op, x.contiguous(), residual.contiguous(), norm_weight.contiguous(), float(eps),
                    float(offset), weight, bias, gated, *config)
+
+
+def gemv_group_ref(x: torch.Tensor, weights: list[torch.Tensor], gated: str = "",
+                   norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`gemv_group`: ``(y, x + residual)``, the second an empty tensor without ``norm``."""
+    residual_out = x.new_empty(0)
+    if norm is not None:
+        x, residual_out = add_rms_norm_ref(x, *norm)
+    y = torch.cat([F.linear(x, w) for w in weights], dim=-1)
+    return (act_and_mul_ref(y, gated) if gated else y), residual_out
+
+
+@llmplug_op("gemv_group")
+def _gemv_group_op(x: torch.Tensor, weights: list[torch.Tensor], residual: torch.Tensor | None,
+                   norm_weight: torch.Tensor | None, eps: float, offset: float, gated: str, block_n: int, block_k: int,
+                   num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    norm = None if residual is None else (residual, norm_weight, eps, offset)
+    if not use_triton(x):
+        return gemv_group_ref(x, weights, gated, norm)
+    x = x.contiguous()  # a compiled graph's views arrive as they are
+    residual_out = x.new_empty(x.shape if norm else 0)
+    if norm:
+        norm = (norm[0].contiguous(), norm[1].contiguous(), *norm[2:], residual_out)
+    config = (block_n, block_k, num_warps, num_stages)
+    y = _launch(x, weights[0], None, gated, config, norm, stacked=tuple(weights[1:]))
+    return y, residual_out
+
+
+@_gemv_group_op.register_fake
+def _(x, weights, residual, norm_weight, eps, offset, gated, block_n, block_k, num_warps, num_stages):
+    n = sum(w.shape[0] for w in weights)
+    return x.new_empty((1, n // 2 if gated else n)), x.new_empty(x.shape if residual is not None else 0)
+
+
+def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], norm: tuple | None = None,
+               config: tuple[int, int, int, int] | None = None, gated: str = ""):
+    """One GEMV over two or three weights that share the input (q/k/v, gate/up) without concatenating them: their
+    rows are read where they lie, as if stacked, in one launch.
+
+    Args:
+        x: ``(1, K)``.
+        weights: two or three ``(N_i, K)`` of ``x``'s dtype, unit stride along K and one row stride.
+        norm: ``(residual, norm_weight, eps, offset)``: :func:`add_norm_gemv`'s prologue (``x + residual``
+            normalised as :func:`~llmplug.ops.rms_norm.add_rms_norm` does) before the product.
+        config: as :func:`gemv`, for the stacked ``(sum N_i, K)``.
+        gated: ``"silu"`` / ``"gelu_tanh"`` with two weights (gate, up) of one shape: ``act(x @ gate^T) * (x @ up^T)``.
+
+    Returns:
+        ``(1, sum N_i)`` (``(1, N_0)`` gated): the products side by side; with ``norm`` also ``x + residual``.
+    """
+    if not 2 <= len(weights) <= 3:
+        raise ValueError(f"gemv_group takes two or three weights, got {len(weights)}")
+    first = weights[0]
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] != first.shape[1] or w.dtype != first.dtype or w.stride() != first.stride():
+            raise ValueError(f"gemv_group's weights must share K, dtype and strides: {tuple(first.shape)} "
+                             f"{first.dtype} {first.stride()} against {tuple(w.shape)} {w.dtype} {w.stride()}")
+    if gated and (len(weights) != 2 or weights[1].shape != first.shape):
+        raise ValueError(f"gated={gated!r} needs two weights of one shape (gate, up), got "
+                         f"{[tuple(w.shape) for w in weights]}")
+    config = _checked_config(x, first, config, gated, n=sum(w.shape[0] for w in weights))
+    residual, norm_weight, eps, offset = norm or (None, None, 0.0, 0.0)
+    if norm is not None and (residual.shape != x.shape or residual.dtype != x.dtype or
+                             norm_weight.shape != (first.shape[1],)):
+        raise ValueError(f"norm: residual ({tuple(residual.shape)}, {residual.dtype}) must match x "
+                         f"({tuple(x.shape)}, {x.dtype}) and norm_weight {tuple(norm_weight.shape)} be "
+                         f"({first.shape[1]},)")
+    y, residual_out = call_op(_gemv_group_op, x.contiguous(), list(weights), residual, norm_weight, float(eps),
+                              float(offset), gated, *config)
+    return (y, residual_out) if norm is not None else y

@@ -204,7 +204,7 @@ class FusedDecoder:
             return linear.matmul(out, rstd_parts=parts, eps=eps), residual
         hidden = x if producer is None else producer.matmul(x)
         if (isinstance(linear, Dense) and hidden.shape[0] == 1 and hidden.is_cuda
-                and hidden.dtype == linear.weight.dtype and norm_in_prologue(linear.weight)):
+                and hidden.dtype == linear.weight.dtype and norm_in_prologue(linear.weight.numel())):
             return add_norm_gemv(hidden, residual, norm.weight, eps, offset, linear.weight, linear.bias, gated=gated)
         x, residual = add_rms_norm(hidden, residual, norm.weight, eps, offset)
         return (linear.gated_matmul(x, gated) if gated else linear.matmul(x)), residual

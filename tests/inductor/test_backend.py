@@ -150,4 +150,28 @@ def test_one_row_projections_become_llmplug_gemv(monkeypatch, family):
             torch._dynamo.reset()
         torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2,
                                    atol=2e-2 * expected.float().abs().max().item())  # bf16 roundings of other kernels
-        assert llmplug.inductor.report()["gemv"] == projections
+        report = llmplug.inductor.report()
+        assert report["gemv"] == projections
+        if projections:  # q/k/v merged (not qwen2's, which carry a bias), gate/up gated, the norm in the prologue of
+            # each group whose input is a residual add's norm (all but the first layer's q/k/v)
+            merged_qkv = 0 if family == "qwen2" else layers
+            assert report["gemv_group"] == merged_qkv + layers and report["gated_gemv"] == layers
+            assert report["norm_prologue"] == merged_qkv + layers - (merged_qkv > 0)
+
+
+def test_merged_projections_keep_greedy_tokens(monkeypatch):
+    """fp32, batch 1: every decode step's projections merged, gated and normalised in the prologue (interpreted
+    kernels on the CPU) and ``generate`` gives stock's tokens."""
+    from llmplug.inductor import gemv
+
+    monkeypatch.setattr(gemv, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(gemv, "DTYPES", (torch.float32,))
+    model = _model("llama")
+    ids = torch.tensor(prompts(1, lengths=(6,), vocab=120))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    expected = model.generate(**kw)
+    model.forward = torch.compile(model.forward, backend="llmplug")
+    assert torch.equal(model.generate(**kw), expected)
+    report = llmplug.inductor.report()
+    assert report["gemv_group"] >= 2 * model.config.num_hidden_layers and report["gated_gemv"] >= 1
+    assert report["norm_prologue"] >= 1

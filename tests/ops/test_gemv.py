@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from llmplug.ops.gemv import add_norm_gemv, add_norm_gemv_ref, gemv, gemv_ref
+from llmplug.ops.gemv import add_norm_gemv, add_norm_gemv_ref, gemv, gemv_group, gemv_group_ref, gemv_ref
 from llmplug.ops.rms_norm import add_rms_norm_ref
 from tests.tolerances import assert_close_matmul_like
 
@@ -81,6 +81,51 @@ def test_add_norm_prologue(k, dtype, offset, gated):
     torch.testing.assert_close(x_in, normed, rtol=0 if dtype == torch.float32 else 8e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [(19, 7, 7), (40, 8), (1, 3, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_is_the_gemv_of_the_stacked_weights(rows, dtype):
+    """Two or three weights read where they lie: bit for bit the GEMV of their concatenation (same config), and
+    close to the separate products."""
+    x = torch.randn(1, 80, dtype=dtype)
+    weights = [torch.randn(n, 80, dtype=dtype) for n in rows]
+    out = gemv_group(x, weights, config=(8, 32, 4, 2))
+    assert out.shape == (1, sum(rows))
+    assert torch.equal(out, gemv(x, torch.cat(weights), config=(8, 32, 4, 2)))
+    ref64, _ = gemv_group_ref(x.double(), [w.double() for w in weights])
+    assert_close_matmul_like(out, ref64, gemv_group_ref(x, weights)[0])
+
+
+@pytest.mark.parametrize("gated", ["silu", "gelu_tanh"])
+def test_group_gated_from_separate_gate_and_up(gated):
+    x = torch.randn(1, 80, dtype=torch.bfloat16)
+    gate, up = torch.randn(38, 80, dtype=torch.bfloat16), torch.randn(38, 80, dtype=torch.bfloat16)
+    out = gemv_group(x, [gate, up], gated=gated, config=(8, 32, 4, 2))
+    assert torch.equal(out, gemv(x, torch.cat([gate, up]), gated=gated, config=(8, 32, 4, 2)))
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_group_with_the_norm_prologue(offset):
+    x, residual = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
+    norm_w = torch.rand(64, dtype=torch.bfloat16) + 0.5
+    fused = torch.randn(30, 64, dtype=torch.bfloat16)  # row views of one tensor: one row stride
+    weights = [fused[:16], fused[16:23], fused[23:]]
+    y, res = gemv_group(x, weights, norm=(residual, norm_w, 1e-6, offset), config=(8, 64, 4, 2))
+    want_y, want_res = add_norm_gemv(x, residual, norm_w, 1e-6, offset, fused, config=(8, 64, 4, 2))
+    assert torch.equal(y, want_y) and torch.equal(res, want_res)
+
+
+def test_group_bad_input():
+    x = torch.randn(1, 8)
+    with pytest.raises(ValueError, match="two or three weights, got 1"):
+        gemv_group(x, [torch.randn(4, 8)])
+    with pytest.raises(ValueError, match="share K"):
+        gemv_group(x, [torch.randn(4, 8), torch.randn(4, 9)])
+    with pytest.raises(ValueError, match="gated='silu' needs two weights of one shape"):
+        gemv_group(x, [torch.randn(4, 8), torch.randn(2, 8)], gated="silu")
+    with pytest.raises(ValueError, match="norm"):
+        gemv_group(x, [torch.randn(4, 8), torch.randn(4, 8)], norm=(x, torch.ones(7), 1e-6, 0.0))
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match=r"\(1, 8\)"):
         gemv(torch.randn(2, 8), torch.randn(4, 8))
@@ -103,3 +148,8 @@ def test_opcheck():
     x = torch.randn(1, 32)
     norm_args = (x, torch.randn(1, 32), torch.rand(32), 1e-6, 0.0, torch.randn(16, 32), None, "silu", 8, 32, 4, 2)
     torch.library.opcheck(torch.ops.llmplug.add_norm_gemv.default, norm_args)
+    weights = [torch.randn(16, 32), torch.randn(16, 32)]
+    group_args = (x, weights, None, None, 0.0, 0.0, "silu", 8, 32, 4, 2)
+    torch.library.opcheck(torch.ops.llmplug.gemv_group.default, group_args)
+    torch.library.opcheck(torch.ops.llmplug.gemv_group.default, (x, weights, torch.randn(1, 32), torch.rand(32), 1e-6,
+                                                                  1.0, "", 8, 32, 4, 2))

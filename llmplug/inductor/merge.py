@@ -1,0 +1,171 @@
+"""Merge the one-row GEMVs that share their input into one launch, and fold their neighbours in (after :mod:`gemv`).
+
+q/k/v (and gate/up) each multiply the same normalised row: :func:`group` makes one ``llmplug::gemv_group`` read all
+their weights where they lie (no concatenated copy), its output sliced back into each projection's.
+:func:`gate` turns a gate/up group whose two products feed one ``llmplug::act_mul`` into the gated GEMV, the
+activation in its epilogue. :func:`prologue` moves the residual add + RMSNorm (``llmplug::add_rms_norm``) that makes
+a group's input into the group's prologue, where its weights are small enough
+(:func:`~llmplug.ops.gemv.norm_in_prologue`). Each saves a launch and a round trip through memory per layer.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch._guards import detect_fake_mode
+
+from ..ops.gemv import choose_config, norm_in_prologue
+from .nodes import is_call, value
+
+aten = torch.ops.aten
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+MAX_GROUP = 3  # weights one launch reads (the kernel's stacked-row layout)
+
+
+def _is_view(node) -> bool:
+    return any(is_call(node, view) for view in _VIEWS)
+
+
+def _base(node):
+    """``node`` with the views and reshapes above it stripped (the tensor whose data it is)."""
+    while _is_view(node):
+        node = node.args[0]
+    return node
+
+
+def _consumers(node) -> list:
+    """Every node that uses ``node``'s data, through views."""
+    out = []
+    for user in node.users:
+        out += _consumers(user) if _is_view(user) else [user]
+    return out
+
+
+def _fake(target, *args):
+    """The fake value ``target(*args)`` gives, nodes standing for their traced values."""
+    def val(x):
+        return value(x) if isinstance(x, torch.fx.Node) else [val(a) for a in x] if isinstance(x, list) else x
+
+    vals = [val(x) for x in args]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, (torch.Tensor, list))])
+    if mode is None:
+        raise RuntimeError(f"llmplug's merge pass found no traced values for {target}'s inputs")
+    with mode:
+        return target(*vals)
+
+
+def _call(graph, target, *args):
+    """Insert ``target(*args)`` (at the graph's insertion point) with its fake value."""
+    node = graph.call_function(target, args)
+    node.meta["val"] = _fake(target, *args)
+    return node
+
+
+def _group_node(graph, x, weights, norm, gated):
+    """``llmplug::gemv_group`` and its two outputs ``(y, residual_out)``."""
+    n, k = sum(value(w).shape[0] for w in weights), value(weights[0]).shape[1]
+    config = choose_config(n, k)
+    if gated and config[0] % 2:
+        config = (2 * config[0], *config[1:])
+    residual, norm_weight, eps, offset = norm or (None, None, 0.0, 0.0)
+    node = _call(graph, torch.ops.llmplug.gemv_group.default, x, list(weights), residual, norm_weight, eps, offset,
+                 gated, *config)
+    return node, _call(graph, operator.getitem, node, 0), _call(graph, operator.getitem, node, 1)
+
+
+def _plain_gemv(node) -> bool:
+    """A ``llmplug::gemv`` without bias, activation or fp32 output."""
+    return is_call(node, torch.ops.llmplug.gemv.default) and node.args[2] is None and node.args[3] == "" and \
+        not node.args[8]
+
+
+def group(graph: torch.fx.Graph) -> int:
+    """Sibling plain GEMVs (one input row, one dtype, K and row stride) -> ``llmplug::gemv_group`` of up to
+    :data:`MAX_GROUP`, each sibling's output a slice of the group's; returns how many groups."""
+    siblings: dict = {}
+    for node in graph.nodes:
+        if _plain_gemv(node):
+            w = value(node.args[1])
+            siblings.setdefault((_base(node.args[0]), w.dtype, w.shape[1], w.stride()), []).append(node)
+    count = 0
+    for members in siblings.values():
+        for start in range(0, len(members) - 1, MAX_GROUP):
+            chunk = members[start:start + MAX_GROUP]
+            if len(chunk) < 2:
+                continue
+            with graph.inserting_before(chunk[0]):
+                _, y, _ = _group_node(graph, chunk[0].args[0], [m.args[1] for m in chunk], None, "")
+                offset = 0
+                for member in chunk:
+                    n = value(member.args[1]).shape[0]
+                    part = _call(graph, aten.slice.Tensor, y, 1, offset, offset + n)
+                    member.replace_all_uses_with(part)
+                    offset += n
+            count += 1
+    graph.eliminate_dead_code()
+    return count
+
+
+def _parts(node) -> list | None:
+    """A plain group's slice nodes in order (every user of its output a slice), or None."""
+    if not is_call(node, torch.ops.llmplug.gemv_group.default) or node.args[2] is not None or node.args[6]:
+        return None
+    outs = [u for u in node.users if u.args[1] == 0]
+    if len(outs) != 1 or not all(is_call(s, aten.slice.Tensor) for s in outs[0].users):
+        return None
+    return sorted(outs[0].users, key=lambda s: s.args[2])
+
+
+def gate(graph: torch.fx.Graph) -> int:
+    """A two-weight group whose products are only ``llmplug::act_mul(gate, up, act)``'s inputs (through views) -> the
+    gated group (``act`` in the GEMV's epilogue); returns how many."""
+    count = 0
+    for node in list(graph.nodes):
+        parts = _parts(node)
+        if parts is None or len(parts) != 2:
+            continue
+        users = {u for p in parts for u in _consumers(p)}
+        act = next(iter(users)) if len(users) == 1 else None
+        if not is_call(act, torch.ops.llmplug.act_mul.default) or [_base(a) for a in act.args[:2]] != parts or \
+                value(node.args[1][0]).shape != value(node.args[1][1]).shape:
+            continue
+        with graph.inserting_before(node):
+            _, y, _ = _group_node(graph, node.args[0], node.args[1], None, act.args[2])
+            out = _call(graph, aten.view.default, y, list(value(act).shape))
+        act.replace_all_uses_with(out)
+        count += 1
+    graph.eliminate_dead_code()
+    return count
+
+
+def prologue(graph: torch.fx.Graph) -> int:
+    """``llmplug::add_rms_norm`` whose normalised output feeds one group only, the group's weights small enough ->
+    the add and the norm in the group's prologue, its second output the new residual; returns how many."""
+    count = 0
+    for node in list(graph.nodes):
+        if not is_call(node, torch.ops.llmplug.gemv_group.default) or node.args[2] is not None:
+            continue
+        normed = _base(node.args[0])
+        fused = normed.args[0] if is_call(normed, operator.getitem) and normed.args[1] == 0 else None
+        if not is_call(fused, torch.ops.llmplug.add_rms_norm.default) or set(_consumers(normed)) != {node}:
+            continue
+        if not norm_in_prologue(sum(value(w).numel() for w in node.args[1])):
+            continue
+        total = next((u for u in fused.users if u.args[1] == 1), None)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if total is not None and any(order[u] < order[node] for u in total.users):
+            continue  # the new residual is read before the group runs
+        a, b, norm_weight, eps, offset = fused.args
+        row = list(value(node.args[0]).shape)
+        with graph.inserting_before(node):
+            x, residual = _call(graph, aten.view.default, a, row), _call(graph, aten.view.default, b, row)
+            _, y, residual_out = _group_node(graph, x, node.args[1], (residual, norm_weight, eps, offset),
+                                             node.args[6])
+            if total is not None:
+                total.replace_all_uses_with(_call(graph, aten.view.default, residual_out, list(value(a).shape)))
+        for out in [u for u in node.users if u.args[1] == 0]:
+            out.replace_all_uses_with(y)
+        count += 1
+    graph.eliminate_dead_code()
+    return count

@@ -44,6 +44,7 @@ def llmplug_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None =
     check_apis()
     import torch._inductor.config as inductor_config
 
+    from ..ops._triton import programmatic_launch
     from .passes import LlmplugPass
 
     inductor = torch._TorchCompileInductorWrapper(mode, options, None)  # Inductor's own reading of mode and options
@@ -51,7 +52,15 @@ def llmplug_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None =
     if isinstance(user, LlmplugPass):  # nested compile: already ours
         user = user.after
     with inductor_config.patch(post_grad_custom_post_pass=LlmplugPass(user)):
-        return inductor(gm, example_inputs)
+        compiled = inductor(gm, example_inputs)
+
+    def run(*args):
+        # llmplug's kernels may start under their predecessors' tails (Hopper's programmatic dependent launch): a
+        # graph's weights are its inputs, which nothing in it writes (the GEMV pass matches no computed weight)
+        with programmatic_launch():
+            return compiled(*args)
+
+    return run
 
 
 def register() -> None:

@@ -175,3 +175,28 @@ def test_merged_projections_keep_greedy_tokens(monkeypatch):
     report = llmplug.inductor.report()
     assert report["gemv_group"] >= 2 * model.config.num_hidden_layers and report["gated_gemv"] >= 1
     assert report["norm_prologue"] >= 1
+
+
+def test_gemv_runs_under_programmatic_launch_and_skips_computed_weights(monkeypatch):
+    """The compiled graph runs llmplug's kernels inside ``programmatic_launch`` (the GEMV may read its weight before
+    its predecessors finish), so a weight the graph computes (here ``w * 2``) stays a matmul; a parameter's becomes
+    ``llmplug::gemv``."""
+    from llmplug.inductor import gemv
+    from llmplug.ops import _triton
+    from llmplug.ops import gemv as gemv_ops
+
+    monkeypatch.setattr(gemv, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(gemv, "DTYPES", (torch.float32,))
+    scopes = []
+    launch = gemv_ops._launch
+    monkeypatch.setattr(gemv_ops, "_launch", lambda *a, **kw: scopes.append(_triton._pdl_scope[-1]) or launch(*a, **kw))
+    w = torch.randn(24, 16)
+
+    def f(x, w):
+        return x @ w.T, x @ (w * 2).T
+
+    x = torch.randn(1, 16)
+    got = torch.compile(f, backend="llmplug")(x, w)
+    torch.testing.assert_close(got, f(x, w), rtol=1e-5, atol=1e-5)
+    assert llmplug.inductor.report()["gemv"] == 1
+    assert scopes == [True]

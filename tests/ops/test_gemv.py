@@ -153,3 +153,27 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.llmplug.gemv_group.default, group_args)
     torch.library.opcheck(torch.ops.llmplug.gemv_group.default, (x, weights, torch.randn(1, 32), torch.rand(32), 1e-6,
                                                                   1.0, "", 8, 32, 4, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shapes,gated,norm", [([6144 - 2048, 1024, 1024], "", True), ([14336, 14336], "silu", False),
+                                               ([2048, 512, 512], "", False)])
+def test_group_cuda_bf16_is_the_stacked_gemv(shapes, gated, norm):
+    """On the GPU (compiled kernel, programmatic launch on Hopper): the group over separate q/k/v or gate/up weights is
+    bit for bit the GEMV of their concatenation, with the norm prologue too."""
+    from llmplug.ops._triton import programmatic_launch
+
+    k = 4096 if shapes[0] > 2048 else 2048
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in shapes]
+    stacked = torch.cat(weights)
+    with programmatic_launch():
+        if norm:
+            residual, norm_w = torch.randn_like(x), torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+            y, res = gemv_group(x, weights, norm=(residual, norm_w, 1e-5, 0.0))
+            want_y, want_res = add_norm_gemv(x, residual, norm_w, 1e-5, 0.0, stacked)
+            assert torch.equal(res, want_res)
+        else:
+            y, want_y = gemv_group(x, weights, gated=gated), gemv(x, stacked, gated=gated)
+    torch.cuda.synchronize()
+    assert torch.equal(y, want_y)

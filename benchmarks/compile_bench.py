@@ -1,7 +1,8 @@
 """Stock HF ``generate(cache_implementation="static", compile_config=CompileConfig(backend=B))`` for each backend B,
 one process, the same random weights (issue 25): compile warm-up (the first call), median decode tok/s at batch 1,
-the tokens (every backend must give the default's), llmplug's match report, and with ``--profile`` each backend's
-GPU kernels per decode step by name (a separate run: timings after torch's profiler are not trusted).
+a decode step's time (the difference of a long and a 2-token call), the tokens (every backend must give the
+default's), llmplug's match report, and with ``--profile`` each backend's GPU kernels per decode step by name (a
+separate run: timings after torch's profiler are not trusted).
 
     python benchmarks/compile_bench.py --model llama-8b --out results.json [--profile]
 """
@@ -69,6 +70,10 @@ def main() -> None:
             t = time_call(lambda gen=gen: model.generate(**gen, max_new_tokens=args.new_tokens), "cuda",
                           repeats=args.repeats, warmup=1)
             row["tok_s"] = args.new_tokens / t["median"]
+            # a decode step alone: the per-call costs (prefill, the graph recorded per call) cancel out
+            short = time_call(lambda gen=gen: model.generate(**gen, max_new_tokens=2), "cuda", repeats=args.repeats)
+            row["call_overhead_ms"] = 1e3 * short["median"]
+            row["step_ms"] = 1e3 * (t["median"] - short["median"]) / (args.new_tokens - 2)
             row["fraction_of_roofline"] = row["tok_s"] * report["weight_bytes"] / ceil["read_bytes_per_s"]
             row["tokens_sha"] = hashlib.sha1(out.cpu().numpy().tobytes()).hexdigest()[:12]
             first = out if first is None else first
@@ -87,6 +92,7 @@ def main() -> None:
         else:
             print(f"{row['backend']:10s} warm-up {row['warmup_s']:6.1f} s  {row['tok_s']:7.1f} tok/s "
                   f"({row['tok_s'] / base['tok_s']:.2f}x, {row['fraction_of_roofline']:.1%} of the read roofline) "
+                  f"step {row['step_ms']:.3f} ms ({base['step_ms'] / row['step_ms']:.2f}x)  "
                   f"same tokens: {row['identical_to_first']}  matches {row['matches']}")
 
 

@@ -173,3 +173,21 @@ def test_bench_tp_launches_torchrun_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["tp"], r["batch"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
     assert all(r["identical"] for r in rows if r["tp"] == 2)
+
+
+def test_bench_tp_sweeps_the_one_shot_program_cap(monkeypatch):
+    """``bench tp`` times the one-shot all-reduce at every program cap its signal pads allow (here up to 64) for the
+    batch-8 and batch-32 messages, then restores the cap; without symmetric memory it reports nothing."""
+    from types import SimpleNamespace
+
+    from llmplug.bench import tp
+
+    one_shot = SimpleNamespace(programs=32, max_programs=64)
+    group = SimpleNamespace(_symm={"one_shot": one_shot}, all_reduce=None)
+    seen = []
+    monkeypatch.setattr(tp, "allreduce_us", lambda reduce, numel, dtype: seen.append(one_shot.programs) or 1.0)
+    out = tp.one_shot_programs(group)
+    assert set(out) == {65536, 262144, 524288}
+    assert all(list(v) == [16, 32, 64] for v in out.values()) and seen == [16, 32, 64] * 3
+    assert one_shot.programs == 32
+    assert tp.one_shot_programs(SimpleNamespace(_symm={})) == {}

@@ -57,9 +57,9 @@ def join_group(cuda: bool, timeout_s: float = 300.0) -> int:
     return rank
 
 
-def allreduce_us(reduce, numel: int, reps: int = 64) -> float:
-    """Microseconds of one ``reduce(x)`` of ``numel`` bf16 values, ``reps`` of them captured in one CUDA graph."""
-    x = torch.ones(numel, dtype=torch.bfloat16, device="cuda")
+def allreduce_us(reduce, numel: int, reps: int = 64, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Microseconds of one ``reduce(x)`` of ``numel`` values, ``reps`` of them captured in one CUDA graph."""
+    x = torch.ones(numel, dtype=dtype, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -79,6 +79,26 @@ def allreduce_us(reduce, numel: int, reps: int = 64) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / 10 / reps
+
+
+def one_shot_programs(group: TPGroup) -> dict:
+    """The one-shot all-reduce's time at batch 8 and 32 (bf16, and fp32 shares at 32) by its program cap: {bytes:
+    {programs: us}}; empty where symmetric memory is unavailable. The cap is restored afterwards."""
+    one_shot = group._symm.get("one_shot")
+    if one_shot is None:
+        return {}
+    out, default = {}, one_shot.programs
+    try:
+        for numel, dtype in ((32768, torch.bfloat16), (131072, torch.bfloat16), (131072, torch.float32)):
+            key = numel * dtype.itemsize
+            out[key] = {}
+            for cap in (16, 32, 64, 128, 256):
+                if cap <= one_shot.max_programs:
+                    one_shot.programs = cap
+                    out[key][cap] = allreduce_us(group.all_reduce, numel, dtype=dtype)
+    finally:
+        one_shot.programs = default
+    return out
 
 
 def decode(model, batch: int, new_tokens: int, repeats: int, device: str) -> tuple[float, torch.Tensor]:
@@ -149,6 +169,7 @@ def run(model_name: str, batches=(1, 8), new_tokens: int = 256, repeats: int = 3
         for numel in (4096, 32768, 131072):  # 8 KB: one batch-1 8B hidden state; 64 KB: batch 8; 256 KB: batch 32
             report["allreduce_us_in_graph"][2 * numel] = {"nccl": allreduce_us(dist.all_reduce, numel),
                                                           "one_shot": allreduce_us(group.all_reduce, numel)}
+        report["one_shot_us_by_programs"] = one_shot_programs(group)
     else:
         allreduce = ("nccl",)  # gloo: one way only
     reference = {}
@@ -199,6 +220,8 @@ def run(model_name: str, batches=(1, 8), new_tokens: int = 256, repeats: int = 3
 def table(report: dict) -> list[str]:
     lines = [f"all-reduce in a CUDA graph, us by bytes: {report['allreduce_us_in_graph']}"] \
         if report["allreduce_us_in_graph"] else []
+    if report.get("one_shot_us_by_programs"):
+        lines.append(f"one-shot all-reduce, us by bytes and program cap: {report['one_shot_us_by_programs']}")
     lines += ["| tp | all-reduce | batch | tok/s | speed-up | identical | of the rank's read roofline |",
               "| ---: | --- | ---: | ---: | ---: | --- | ---: |"]
     for r in report["rows"]:

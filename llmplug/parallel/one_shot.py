@@ -23,6 +23,7 @@ import triton.language as tl
 SLOT_BYTES = 512 << 10  # the largest message that takes this path (32 tokens of an 8B model's hidden state, fp32)
 BLOCK = 1024  # elements a program moves per pass: 8 per thread of 4 warps (16-byte vectors in bf16)
 MAX_PROGRAMS = 32  # programs per call (each meets its peers at its own flags): MAX_PROGRAMS * world flags in a pad
+# (``OneShot.programs``: ``llmplug bench tp`` times other counts for the larger messages)
 
 
 @triton.jit
@@ -99,9 +100,11 @@ class OneShot:
     def __init__(self, buffer: torch.Tensor, handle) -> None:
         self.buffer = buffer  # owned here: the peers read it for as long as this object lives
         self.rank, self.world = handle.rank, handle.world_size
-        if handle.signal_pad_size < MAX_PROGRAMS * self.world * 4:
+        self.max_programs = handle.signal_pad_size // (self.world * 4)  # one flag a program and peer
+        if self.max_programs < MAX_PROGRAMS:
             raise RuntimeError(f"the signal pads hold {handle.signal_pad_size} bytes; the one-shot all-reduce needs "
                                f"{MAX_PROGRAMS * self.world * 4}")
+        self.programs = MAX_PROGRAMS  # at most this many programs a call (up to max_programs)
         start = buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # where the buffer sits in each mapped allocation
         device = buffer.device
         self.bufs = torch.tensor([p + start for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
@@ -115,7 +118,7 @@ class OneShot:
         """Sum ``x`` (contiguous, at most ``SLOT_BYTES``) over the ranks into ``out`` (``x`` itself, or a contiguous
         tensor of its shape); returns ``out``."""
         numel = x.numel()
-        programs = max(1, min(triton.cdiv(numel, BLOCK), MAX_PROGRAMS))
+        programs = max(1, min(triton.cdiv(numel, BLOCK), self.programs))
         slot_offset = self.slot * (SLOT_BYTES // x.element_size())
         self.slot ^= 1
         _one_shot_kernel[(programs,)](x, out, self.bufs, self.pads, slot_offset, numel, rank=self.rank,

@@ -10,7 +10,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import act_mul, gemv, merge, nodes, rms_norm
 
-# pattern name -> replace(graph) -> matches; run in this order
+# pattern name -> replace(graph) -> matches (or matches by name); run in this order
 PATTERNS = {"rms_norm": rms_norm.replace, "add_rms_norm": rms_norm.fuse_residual, "act_mul": act_mul.replace,
             "gemv": gemv.replace, "gemv_group": merge.group, "gated_gemv": merge.gate, "norm_prologue": merge.prologue}
 _report: collections.Counter = collections.Counter()
@@ -38,7 +38,8 @@ class LlmplugPass(CustomGraphPass):
 
     def __call__(self, graph) -> None:
         for name, replace in PATTERNS.items():
-            _report[name] += replace(graph)
+            found = replace(graph)  # a count, or counts by name
+            _report.update(found if isinstance(found, dict) else {name: found})
         if self.after is not None:
             self.after(graph)
 

@@ -21,6 +21,7 @@ from .nodes import is_call, value
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 MAX_GROUP = 3  # weights one launch reads (the kernel's stacked-row layout)
+_GATED = 7  # gemv_group's argument index of ``gated``
 
 
 def _is_view(node) -> bool:
@@ -68,9 +69,9 @@ def _group_node(graph, x, weights, norm, gated):
     config = choose_config(n, k)
     if gated and config[0] % 2:
         config = (2 * config[0], *config[1:])
-    residual, norm_weight, eps, offset = norm or (None, None, 0.0, 0.0)
+    residual, norm_weight, eps, offset, round_first = norm or (None, None, 0.0, 0.0, True)
     node = _call(graph, torch.ops.llmplug.gemv_group.default, x, list(weights), residual, norm_weight, eps, offset,
-                 gated, *config)
+                 round_first, gated, *config)
     return node, _call(graph, operator.getitem, node, 0), _call(graph, operator.getitem, node, 1)
 
 
@@ -109,7 +110,7 @@ def group(graph: torch.fx.Graph) -> int:
 
 def _parts(node) -> list | None:
     """A plain group's slice nodes in order (every user of its output a slice), or None."""
-    if not is_call(node, torch.ops.llmplug.gemv_group.default) or node.args[2] is not None or node.args[6]:
+    if not is_call(node, torch.ops.llmplug.gemv_group.default) or node.args[2] is not None or node.args[_GATED]:
         return None
     outs = [u for u in node.users if u.args[1] == 0]
     if len(outs) != 1 or not all(is_call(s, aten.slice.Tensor) for s in outs[0].users):
@@ -156,12 +157,12 @@ def prologue(graph: torch.fx.Graph) -> int:
         order = {n: i for i, n in enumerate(graph.nodes)}
         if total is not None and any(order[u] < order[node] for u in total.users):
             continue  # the new residual is read before the group runs
-        a, b, norm_weight, eps, offset = fused.args
+        a, b, norm_weight, eps, offset, round_first = fused.args
         row = list(value(node.args[0]).shape)
         with graph.inserting_before(node):
             x, residual = _call(graph, aten.view.default, a, row), _call(graph, aten.view.default, b, row)
-            _, y, residual_out = _group_node(graph, x, node.args[1], (residual, norm_weight, eps, offset),
-                                             node.args[6])
+            _, y, residual_out = _group_node(graph, x, node.args[1], (residual, norm_weight, eps, offset, round_first),
+                                             node.args[_GATED])
             if total is not None:
                 total.replace_all_uses_with(_call(graph, aten.view.default, residual_out, list(value(a).shape)))
         for out in [u for u in node.users if u.args[1] == 0]:

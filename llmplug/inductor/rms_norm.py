@@ -1,9 +1,10 @@
 """Find RMSNorm in a post-grad FX graph and call llmplug's op instead.
 
 The traced forms (any HF family, any dtype): ``xf = x`` or ``x.float()``; ``r = rsqrt(mean(xf^2, -1, keepdim) + eps)``;
-``n = xf * r``; then Llama style ``w * n.to(x.dtype)`` (offset 0) or Gemma style ``(n * (1 + w.float())).to(x.dtype)``
-(offset 1). Each match becomes ``llmplug::rms_norm(x, w, eps, offset)``, and one whose input is the residual stream's
-add (``x = a + b``) ``llmplug::add_rms_norm(a, b, w, eps, offset)``. Only a constant ``eps`` matches: under
+``n = xf * r``; then Llama style ``w * n.to(x.dtype)`` (offset 0, rounded first), Gemma style ``(n * (1 +
+w.float())).to(x.dtype)`` (offset 1) or OLMo 2 style ``(w * n).to(x.dtype)`` (offset 0, fp32 to the end). Each match
+becomes ``llmplug::rms_norm(x, w, eps, offset, round_first)``, and one whose input is the residual stream's add (``x =
+a + b``) ``llmplug::add_rms_norm(a, b, w, eps, offset, round_first)``. Only a constant ``eps`` matches: under
 ``dynamic=True`` Dynamo makes a module's float attribute a graph input, and those norms stay as they are.
 """
 
@@ -58,7 +59,7 @@ def match(rsqrt: torch.fx.Node) -> dict | None:
         if is_call(mul, aten.mul.Tensor):
             weight = _other(mul, step)
             if dtype(weight) == dtype(x) and dtype(mul) == dtype(x):
-                return {"x": x, "weight": weight, "eps": add.args[1], "offset": 0.0, "out": mul}
+                return {"x": x, "weight": weight, "eps": add.args[1], "offset": 0.0, "round_first": True, "out": mul}
         return None
     if is_call(step, aten.mul.Tensor):
         scale = _other(step, normed)
@@ -67,10 +68,13 @@ def match(rsqrt: torch.fx.Node) -> dict | None:
             end = _only_user(step)
             out = end if is_call(end, _CAST) and end.args[1] == dtype(x) else step
             if dtype(out) == dtype(x):
-                return {"x": x, "weight": weight, "eps": add.args[1], "offset": 1.0, "out": out}
+                return {"x": x, "weight": weight, "eps": add.args[1], "offset": 1.0, "round_first": False, "out": out}
             return None
         if dtype(x) == torch.float32 and dtype(scale) == torch.float32:  # Llama in fp32: no casts at all
-            return {"x": x, "weight": scale, "eps": add.args[1], "offset": 0.0, "out": step}
+            return {"x": x, "weight": scale, "eps": add.args[1], "offset": 0.0, "round_first": True, "out": step}
+        end = _only_user(step)
+        if dtype(scale) == dtype(x) and is_call(end, _CAST) and end.args[1] == dtype(x):  # OLMo 2: w * n in fp32
+            return {"x": x, "weight": scale, "eps": add.args[1], "offset": 0.0, "round_first": False, "out": end}
     return None
 
 
@@ -86,7 +90,8 @@ def replace(graph: torch.fx.Graph) -> int:
         out = found["out"]
         with graph.inserting_before(out):
             fused = graph.call_function(torch.ops.llmplug.rms_norm.default,
-                                        (found["x"], found["weight"], found["eps"], found["offset"]))
+                                        (found["x"], found["weight"], found["eps"], found["offset"],
+                                         found["round_first"]))
         fused.meta.update(out.meta)
         out.replace_all_uses_with(fused)
         count += 1

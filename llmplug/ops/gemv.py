@@ -32,7 +32,7 @@ from ._triton import (
     wait_inputs,
 )
 from .act_mul import act_and_mul_ref, check_gated
-from .rms_norm import add_rms_norm_ref, rms_scale
+from .rms_norm import add_rms_norm_ref, rms_scale, round_first_for
 
 NORM_BLOCK = 1024  # elements of x + residual the norm prologue reads at a time (more raises register use)
 
@@ -59,11 +59,11 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def add_norm_gemv_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: float,
-                      weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      gated: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                      weight: torch.Tensor, bias: torch.Tensor | None = None, gated: str = "",
+                      round_first: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: :func:`~llmplug.ops.rms_norm.add_rms_norm_ref` then :func:`gemv_ref`. ``x, residual: (1, K)`` ->
     ``(y, x + residual)``."""
-    normed, residual_out = add_rms_norm_ref(x, residual, norm_weight, eps, offset)
+    normed, residual_out = add_rms_norm_ref(x, residual, norm_weight, eps, offset, round_first)
     return gemv_ref(normed, weight, bias, gated), residual_out
 
 
@@ -164,7 +164,8 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g
 
 
 def _launch(x, weight, bias, gated, config, norm=None, fp32_out=False, stacked=()):
-    """Launch the GEMV; ``norm = (residual, norm_weight, eps, offset, residual_out)`` adds the norm prologue;
+    """Launch the GEMV; ``norm = (residual, norm_weight, eps, offset, round_first, residual_out)`` adds the norm
+    prologue;
     ``fp32_out``: the unrounded fp32 product; ``stacked``: one or two more weights whose rows follow ``weight``'s
     (same K and row stride)."""
     block_n, block_k, num_warps, num_stages = config
@@ -174,12 +175,12 @@ def _launch(x, weight, bias, gated, config, norm=None, fp32_out=False, stacked=(
     n_ab = n_a + (stacked[0].shape[0] if stacked else 0)
     n = sum(w.shape[0] for w in weights)
     out = x.new_empty((1, n // 2 if gated else n), dtype=torch.float32 if fp32_out else x.dtype)
-    residual, norm_weight, eps, offset, residual_out = norm or (x, x, 0.0, 0.0, x)
+    residual, norm_weight, eps, offset, round_first, residual_out = norm or (x, x, 0.0, 0.0, True, x)
     norm_block = min(NORM_BLOCK, next_pow2(k))
     maybe_wrap(_gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, weights[min(1, len(stacked))], weights[len(stacked)], bias if bias is not None else weight, out,
         residual, norm_weight, residual_out, eps, offset, n, n_a, n_ab, k, weight.stride(0), HAS_BIAS=bias is not None,
-        GATED=gated, ADD_NORM=norm is not None, ROUND_FIRST=offset == 0.0, STACKED=bool(stacked), BLOCK_N=block_n,
+        GATED=gated, ADD_NORM=norm is not None, ROUND_FIRST=round_first, STACKED=bool(stacked), BLOCK_N=block_n,
         BLOCK_K=min(block_k, next_pow2(k)),
         NORM_BLOCK=norm_block, NORM_STEPS=triton.cdiv(k, norm_block), INTERPRETED=INTERPRET, num_warps=num_warps,
         num_stages=num_stages, **pdl_options(x))
@@ -233,30 +234,31 @@ def _checked_config(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, in
 
 @llmplug_op("add_norm_gemv")
 def _add_norm_gemv_op(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: float,
-                      weight: torch.Tensor, bias: torch.Tensor | None, gated: str, block_n: int, block_k: int,
-                      num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      round_first: bool, weight: torch.Tensor, bias: torch.Tensor | None, gated: str, block_n: int,
+                      block_k: int, num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not use_triton(x):
-        return add_norm_gemv_ref(x, residual, norm_weight, eps, offset, weight, bias, gated)
+        return add_norm_gemv_ref(x, residual, norm_weight, eps, offset, weight, bias, gated, round_first)
     assert x.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous(), "add_norm_gemv layout"
     residual_out = x.new_empty(x.shape)
-    norm = (residual, norm_weight, eps, offset, residual_out)
+    norm = (residual, norm_weight, eps, offset, round_first, residual_out)
     return _launch(x, weight, bias, gated, (block_n, block_k, num_warps, num_stages), norm), residual_out
 
 
 @_add_norm_gemv_op.register_fake
-def _(x, residual, norm_weight, eps, offset, weight, bias, gated, block_n, block_k, num_warps, num_stages):
+def _(x, residual, norm_weight, eps, offset, round_first, weight, bias, gated, block_n, block_k, num_warps,
+      num_stages):
     return x.new_empty((1, weight.shape[0] // 2 if gated else weight.shape[0])), x.new_empty(x.shape)
 
 
 def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: float,
                   weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int] | None = None,
-                  gated: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                  config: tuple[int, int, int, int] | None = None, gated: str = "",
+                  round_first: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~llmplug.ops.rms_norm.add_rms_norm` fused into the next :func:`gemv`'s prologue.
 
     Args:
         x, residual: ``(1, K)`` of one dtype.
-        norm_weight: ``(K,)``; eps, offset: as :func:`~llmplug.ops.rms_norm.add_rms_norm`.
+        norm_weight: ``(K,)``; eps, offset, round_first: as :func:`~llmplug.ops.rms_norm.add_rms_norm`.
         weight, bias, config, gated: as :func:`gemv`.
 
     Returns:
@@ -272,7 +274,7 @@ def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
         raise ValueError(f"norm_weight.shape={tuple(norm_weight.shape)} must be ({k},)")
     config = _checked_config(x, weight, config, gated)
     return call_op(_add_norm_gemv_op, x.contiguous(), residual.contiguous(), norm_weight.contiguous(), float(eps),
-                   float(offset), weight, bias, gated, *config)
+                   float(offset), round_first_for(offset, round_first), weight, bias, gated, *config)
 
 
 def gemv_group_ref(x: torch.Tensor, weights: list[torch.Tensor], gated: str = "",
@@ -287,22 +289,22 @@ def gemv_group_ref(x: torch.Tensor, weights: list[torch.Tensor], gated: str = ""
 
 @llmplug_op("gemv_group")
 def _gemv_group_op(x: torch.Tensor, weights: list[torch.Tensor], residual: torch.Tensor | None,
-                   norm_weight: torch.Tensor | None, eps: float, offset: float, gated: str, block_n: int, block_k: int,
-                   num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    norm = None if residual is None else (residual, norm_weight, eps, offset)
+                   norm_weight: torch.Tensor | None, eps: float, offset: float, round_first: bool, gated: str,
+                   block_n: int, block_k: int, num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    norm = None if residual is None else (residual, norm_weight, eps, offset, round_first)
     if not use_triton(x):
         return gemv_group_ref(x, weights, gated, norm)
     x = x.contiguous()  # a compiled graph's views arrive as they are
     residual_out = x.new_empty(x.shape if norm else 0)
     if norm:
-        norm = (norm[0].contiguous(), norm[1].contiguous(), *norm[2:], residual_out)
+        norm = (norm[0].contiguous(), norm[1].contiguous(), *norm[2:], residual_out)  # _launch's order
     config = (block_n, block_k, num_warps, num_stages)
     y = _launch(x, weights[0], None, gated, config, norm, stacked=tuple(weights[1:]))
     return y, residual_out
 
 
 @_gemv_group_op.register_fake
-def _(x, weights, residual, norm_weight, eps, offset, gated, block_n, block_k, num_warps, num_stages):
+def _(x, weights, residual, norm_weight, eps, offset, round_first, gated, block_n, block_k, num_warps, num_stages):
     n = sum(w.shape[0] for w in weights)
     return x.new_empty((1, n // 2 if gated else n)), x.new_empty(x.shape if residual is not None else 0)
 
@@ -315,8 +317,8 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], norm: tuple | None 
     Args:
         x: ``(1, K)``.
         weights: two or three ``(N_i, K)`` of ``x``'s dtype, unit stride along K and one row stride.
-        norm: ``(residual, norm_weight, eps, offset)``: :func:`add_norm_gemv`'s prologue (``x + residual``
-            normalised as :func:`~llmplug.ops.rms_norm.add_rms_norm` does) before the product.
+        norm: ``(residual, norm_weight, eps, offset, round_first)``: :func:`add_norm_gemv`'s prologue (``x +
+            residual`` normalised as :func:`~llmplug.ops.rms_norm.add_rms_norm` does) before the product.
         config: as :func:`gemv`, for the stacked ``(sum N_i, K)``.
         gated: ``"silu"`` / ``"gelu_tanh"`` with two weights (gate, up) of one shape: ``act(x @ gate^T) * (x @ up^T)``.
 
@@ -334,12 +336,12 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], norm: tuple | None 
         raise ValueError(f"gated={gated!r} needs two weights of one shape (gate, up), got "
                          f"{[tuple(w.shape) for w in weights]}")
     config = _checked_config(x, first, config, gated, n=sum(w.shape[0] for w in weights))
-    residual, norm_weight, eps, offset = norm or (None, None, 0.0, 0.0)
+    residual, norm_weight, eps, offset, round_first = norm or (None, None, 0.0, 0.0, None)
     if norm is not None and (residual.shape != x.shape or residual.dtype != x.dtype or
                              norm_weight.shape != (first.shape[1],)):
         raise ValueError(f"norm: residual ({tuple(residual.shape)}, {residual.dtype}) must match x "
                          f"({tuple(x.shape)}, {x.dtype}) and norm_weight {tuple(norm_weight.shape)} be "
                          f"({first.shape[1]},)")
     y, residual_out = call_op(_gemv_group_op, x.contiguous(), list(weights), residual, norm_weight, float(eps),
-                              float(offset), gated, *config)
+                              float(offset), round_first_for(offset, round_first), gated, *config)
     return (y, residual_out) if norm is not None else y

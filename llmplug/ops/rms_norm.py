@@ -23,25 +23,34 @@ from ._triton import (
 )
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+def round_first_for(offset: float, round_first: bool | None) -> bool:
+    """Whether the normalised value is rounded before the weight multiply: ``round_first``, or where None HF's
+    Llama style for ``offset == 0`` and Gemma's for ``1 + w``."""
+    return offset == 0.0 if round_first is None else bool(round_first)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                 round_first: bool | None = None) -> torch.Tensor:
     """Reference. ``x: (..., N)``, ``weight: (N,)`` -> contiguous ``x.shape`` in ``x.dtype``; math in fp32.
 
-    Rounding follows HF: with ``offset == 0`` (Llama style) the normalised value is rounded to ``x.dtype`` before
-    the weight multiply; with ``offset != 0`` (Gemma style) everything stays fp32 until the final cast.
+    Rounding follows HF: with ``round_first`` (Llama style) the normalised value is rounded to ``x.dtype`` before
+    the weight multiply; without (Gemma's ``1 + w``, OLMo 2's ``w``) everything stays fp32 until the final cast.
+    ``round_first=None``: Llama's where ``offset == 0``, Gemma's otherwise.
     """
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if offset == 0.0:
+    if round_first_for(offset, round_first):
         normed = normed.to(x.dtype).float()
     return (normed * (offset + weight.float())).to(x.dtype).contiguous()
 
 
 def add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+    round_first: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference. Returns ``(rms_norm(x + residual), x + residual)``; the sum is rounded to ``x.dtype`` first."""
     residual_out = (x.float() + residual.float()).to(x.dtype)
-    return rms_norm_ref(residual_out, weight, eps, offset), residual_out
+    return rms_norm_ref(residual_out, weight, eps, offset, round_first), residual_out
 
 
 if triton is not None:
@@ -90,7 +99,7 @@ def _launch_config(n: int) -> tuple[int, int, int]:
     return block, rows, num_warps
 
 
-def _launch(x, weight, out, eps, offset, residual=None, residual_out=None):
+def _launch(x, weight, out, eps, offset, round_first, residual=None, residual_out=None):
     """Normalise rows of ``x`` into ``out``; with ``residual``, add it first and store the sum in ``residual_out``."""
     inner, stride_xi = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
     n_rows, n = x.shape[0] * inner, x.shape[-1]
@@ -100,38 +109,38 @@ def _launch(x, weight, out, eps, offset, residual=None, residual_out=None):
         residual, residual_out = x, out
     maybe_wrap(_rms_norm_kernel)[(triton.cdiv(n_rows, rows),)](
         x, residual, weight, out, residual_out, n_rows, inner, n, x.stride(0), stride_xi, residual.stride(0), eps,
-        offset, HAS_RESIDUAL=has_residual, ROUND_FIRST=offset == 0.0, INTERPRETED=INTERPRET, ROWS=rows, BLOCK=block,
+        offset, HAS_RESIDUAL=has_residual, ROUND_FIRST=round_first, INTERPRETED=INTERPRET, ROWS=rows, BLOCK=block,
         num_warps=num_warps, **pdl_options(x))
 
 
 @llmplug_op("rms_norm")
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, round_first: bool) -> torch.Tensor:
     if not use_triton(x):
-        return rms_norm_ref(x, weight, eps, offset)
+        return rms_norm_ref(x, weight, eps, offset, round_first)
     if x.dim() not in (2, 3):  # any other rank (a compiled model's (B, T, H, D) q/k): its rows, made contiguous
-        return _rms_norm_op(x.reshape(-1, x.shape[-1]), weight, eps, offset).view(x.shape)
+        return _rms_norm_op(x.reshape(-1, x.shape[-1]), weight, eps, offset, round_first).view(x.shape)
     assert x.stride(-1) == 1, "x must be (R, N) or (T, H, N) with unit stride on the last dim"
     assert weight.shape == x.shape[-1:] and weight.stride(0) == 1, "weight must be a contiguous (N,) vector"
     out = x.new_empty(x.shape)
     if out.numel() > 0:
-        _launch(x, weight, out, eps, offset)
+        _launch(x, weight, out, eps, offset, round_first)
     return out
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps, offset):
+def _(x, weight, eps, offset, round_first):
     return x.new_empty(x.shape)
 
 
 @llmplug_op("add_rms_norm")
 def _add_rms_norm_op(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, round_first: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not use_triton(x):
-        return add_rms_norm_ref(x, residual, weight, eps, offset)
+        return add_rms_norm_ref(x, residual, weight, eps, offset, round_first)
     if x.dim() != 2:  # a compiled model's (B, T, N): its rows
         n = x.shape[-1]
-        out, total = _add_rms_norm_op(x.reshape(-1, n), residual.reshape(-1, n), weight, eps, offset)
+        out, total = _add_rms_norm_op(x.reshape(-1, n), residual.reshape(-1, n), weight, eps, offset, round_first)
         return out.view(x.shape), total.view(x.shape)
     assert x.stride(-1) == 1, "x must be (R, N) with unit stride on the last dim"
     assert residual.shape == x.shape and residual.stride(-1) == 1, "residual must be (R, N) like x"
@@ -140,12 +149,12 @@ def _add_rms_norm_op(
     out = x.new_empty(x.shape)
     residual_out = x.new_empty(x.shape)
     if x.numel() > 0:
-        _launch(x, weight, out, eps, offset, residual, residual_out)
+        _launch(x, weight, out, eps, offset, round_first, residual, residual_out)
     return out, residual_out
 
 
 @_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps, offset):
+def _(x, residual, weight, eps, offset, round_first):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
@@ -154,7 +163,8 @@ def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"weight.shape={tuple(weight.shape)} does not match the last dim of x.shape={tuple(x.shape)}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+             round_first: bool | None = None) -> torch.Tensor:
     """``x * rsqrt(mean(x^2, -1) + eps) * (offset + weight)``, computed in fp32.
 
     Args:
@@ -163,6 +173,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
         weight: ``(N,)``, any float dtype.
         eps: added to the mean square.
         offset: ``0.0`` for Llama-style ``w``, ``1.0`` for Gemma-style ``(1 + w)``.
+        round_first: round the normalised value to ``x.dtype`` before the weight multiply (HF's Llama), or keep fp32
+            to the end (Gemma, OLMo 2); None: :func:`round_first_for` ``offset``.
 
     Returns:
         A new contiguous tensor of ``x.shape`` in ``x.dtype``.
@@ -170,11 +182,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be (R, N) or (T, H, N); got x.shape={tuple(x.shape)}")
     _check_weight(x, weight)
-    return call_op(_rms_norm_op, x, weight, float(eps), float(offset))
+    return call_op(_rms_norm_op, x, weight, float(eps), float(offset), round_first_for(offset, round_first))
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+    round_first: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add fused with RMSNorm: ``s = x + residual`` (rounded to ``x.dtype``), then ``rms_norm(s)``.
 
@@ -184,6 +197,7 @@ def add_rms_norm(
         weight: ``(N,)``, any float dtype.
         eps: added to the mean square.
         offset: ``0.0`` for Llama-style ``w``, ``1.0`` for Gemma-style ``(1 + w)``.
+        round_first: as :func:`rms_norm`.
 
     Returns:
         ``(out, residual_out)``: new ``(R, N)`` tensors in ``x.dtype``; ``residual_out = x + residual`` and
@@ -194,4 +208,5 @@ def add_rms_norm(
     if residual.dtype != x.dtype:
         raise ValueError(f"residual.dtype={residual.dtype} differs from x.dtype={x.dtype}")
     _check_weight(x, weight)
-    return call_op(_add_rms_norm_op, x, residual, weight, float(eps), float(offset))
+    return call_op(_add_rms_norm_op, x, residual, weight, float(eps), float(offset),
+                   round_first_for(offset, round_first))

@@ -114,10 +114,10 @@ def test_the_private_apis_it_uses_exist_and_a_missing_one_is_named(monkeypatch):
         torch.compile(_model("llama"), backend="llmplug")(input_ids=torch.tensor([[5, 6, 7]]))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "olmo2"])
 def test_bf16_graphs_with_casts_match_too(family):
-    """In bf16 the norms carry casts (fp32 math, Llama's rounding before the weight, Gemma's at the end): matched all
-    the same, and the logits stay within bf16 rounding of the default backend's."""
+    """In bf16 the norms carry casts (fp32 math, Llama's rounding before the weight, Gemma's and OLMo 2's at the end):
+    matched all the same, and the logits stay within bf16 rounding of the default backend's."""
     torch.manual_seed(0)
     model = make_model(family, dtype=torch.bfloat16)
     ids = torch.tensor(prompts(2, lengths=(9, 9), vocab=120))

@@ -61,23 +61,24 @@ def test_row_view_of_fused_weight():
 
 @pytest.mark.parametrize("k", [64, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("offset,round_first", [(0.0, None), (1.0, None), (0.0, False)])  # Llama, Gemma, OLMo 2
 @pytest.mark.parametrize("gated", ["", "silu"])
-def test_add_norm_prologue(k, dtype, offset, gated):
+def test_add_norm_prologue(k, dtype, offset, round_first, gated):
     """The residual add + RMSNorm in the prologue: the same new residual, the product of the normalised input."""
     x, residual = torch.randn(1, k, dtype=dtype), torch.randn(1, k, dtype=dtype)
     norm_w = torch.rand(k, dtype=dtype) + 0.5
     w, b = torch.randn(38, k, dtype=dtype), torch.randn(38, dtype=dtype)
-    y, res = add_norm_gemv(x, residual, norm_w, 1e-6, offset, w, b, config=(8, 64, 4, 2), gated=gated)
-    normed, res_ref = add_rms_norm_ref(x, residual, norm_w, 1e-6, offset)
+    y, res = add_norm_gemv(x, residual, norm_w, 1e-6, offset, w, b, config=(8, 64, 4, 2), gated=gated,
+                           round_first=round_first)
+    normed, res_ref = add_rms_norm_ref(x, residual, norm_w, 1e-6, offset, round_first)
     assert torch.equal(res, res_ref)
     assert y.shape == (1, 19 if gated else 38)
     ref64 = gemv_ref(normed.double(), w.double(), b.double(), gated)
-    same, _ = add_norm_gemv_ref(x, residual, norm_w, 1e-6, offset, w, b, gated)
+    same, _ = add_norm_gemv_ref(x, residual, norm_w, 1e-6, offset, w, b, gated, round_first)
     assert_close_matmul_like(y, ref64, same)
     # the normalised input itself, through an identity weight: add_rms_norm's values (its rsqrt may differ by an ulp)
     eye = torch.eye(k, dtype=dtype)
-    x_in, _ = add_norm_gemv(x, residual, norm_w, 1e-6, offset, eye, config=(8, 64, 4, 2))
+    x_in, _ = add_norm_gemv(x, residual, norm_w, 1e-6, offset, eye, config=(8, 64, 4, 2), round_first=round_first)
     torch.testing.assert_close(x_in, normed, rtol=0 if dtype == torch.float32 else 8e-3, atol=1e-6)
 
 
@@ -109,7 +110,7 @@ def test_group_with_the_norm_prologue(offset):
     norm_w = torch.rand(64, dtype=torch.bfloat16) + 0.5
     fused = torch.randn(30, 64, dtype=torch.bfloat16)  # row views of one tensor: one row stride
     weights = [fused[:16], fused[16:23], fused[23:]]
-    y, res = gemv_group(x, weights, norm=(residual, norm_w, 1e-6, offset), config=(8, 64, 4, 2))
+    y, res = gemv_group(x, weights, norm=(residual, norm_w, 1e-6, offset, None), config=(8, 64, 4, 2))
     want_y, want_res = add_norm_gemv(x, residual, norm_w, 1e-6, offset, fused, config=(8, 64, 4, 2))
     assert torch.equal(y, want_y) and torch.equal(res, want_res)
 
@@ -123,7 +124,7 @@ def test_group_bad_input():
     with pytest.raises(ValueError, match="gated='silu' needs two weights of one shape"):
         gemv_group(x, [torch.randn(4, 8), torch.randn(2, 8)], gated="silu")
     with pytest.raises(ValueError, match="norm"):
-        gemv_group(x, [torch.randn(4, 8), torch.randn(4, 8)], norm=(x, torch.ones(7), 1e-6, 0.0))
+        gemv_group(x, [torch.randn(4, 8), torch.randn(4, 8)], norm=(x, torch.ones(7), 1e-6, 0.0, None))
 
 
 def test_bad_input():
@@ -146,13 +147,14 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.llmplug.gemv.default, (*args[:3], "silu", *args[4:]))
     torch.library.opcheck(torch.ops.llmplug.gemv.default, (*args[:-1], True))
     x = torch.randn(1, 32)
-    norm_args = (x, torch.randn(1, 32), torch.rand(32), 1e-6, 0.0, torch.randn(16, 32), None, "silu", 8, 32, 4, 2)
+    norm_args = (x, torch.randn(1, 32), torch.rand(32), 1e-6, 0.0, True, torch.randn(16, 32), None, "silu", 8, 32, 4,
+                 2)
     torch.library.opcheck(torch.ops.llmplug.add_norm_gemv.default, norm_args)
     weights = [torch.randn(16, 32), torch.randn(16, 32)]
-    group_args = (x, weights, None, None, 0.0, 0.0, "silu", 8, 32, 4, 2)
+    group_args = (x, weights, None, None, 0.0, 0.0, True, "silu", 8, 32, 4, 2)
     torch.library.opcheck(torch.ops.llmplug.gemv_group.default, group_args)
     torch.library.opcheck(torch.ops.llmplug.gemv_group.default, (x, weights, torch.randn(1, 32), torch.rand(32), 1e-6,
-                                                                  1.0, "", 8, 32, 4, 2))
+                                                                  1.0, False, "", 8, 32, 4, 2))
 
 
 @pytest.mark.gpu
@@ -170,7 +172,7 @@ def test_group_cuda_bf16_is_the_stacked_gemv(shapes, gated, norm):
     with programmatic_launch():
         if norm:
             residual, norm_w = torch.randn_like(x), torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-            y, res = gemv_group(x, weights, norm=(residual, norm_w, 1e-5, 0.0))
+            y, res = gemv_group(x, weights, norm=(residual, norm_w, 1e-5, 0.0, None))
             want_y, want_res = add_norm_gemv(x, residual, norm_w, 1e-5, 0.0, stacked)
             assert torch.equal(res, want_res)
         else:

@@ -96,6 +96,21 @@ def test_references_match_hf_modules():
         assert torch.allclose(out, llama(x + residual))
 
 
+def test_olmo2_order_in_bf16_is_hfs():
+    """OLMo 2 multiplies the fp32 normalised value by its weight before the one cast (``round_first=False`` at offset
+    0): reference and kernel equal HF's module bit for bit in bf16, where Llama's order would not."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    olmo = Olmo2RMSNorm(96, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        olmo.weight.copy_(torch.rand(96) + 0.5)
+        x = torch.randn(6, 96).to(torch.bfloat16)
+        expected = olmo(x)
+        assert torch.equal(rms_norm_ref(x, olmo.weight, 1e-6, round_first=False), expected)
+        assert not torch.equal(rms_norm_ref(x, olmo.weight, 1e-6), expected)
+        torch.testing.assert_close(rms_norm(x, olmo.weight, 1e-6, round_first=False), expected, rtol=0, atol=0)
+
+
 def test_add_reference_normalises_the_rounded_sum():
     x, residual, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64)
     out, residual_out = add_rms_norm_ref(x, residual, w, EPS)
@@ -119,9 +134,10 @@ def test_empty_and_bad_shapes():
 
 def test_opcheck():
     qkv = torch.randn(5, 6 * 32)
-    torch.library.opcheck(torch.ops.llmplug.rms_norm.default, (torch.randn(5, 48), torch.randn(48), EPS, 0.0))
-    torch.library.opcheck(torch.ops.llmplug.rms_norm.default, (qkv[:, :128].view(5, 4, 32), torch.randn(32), EPS, 1.0))
-    args = (torch.randn(5, 48), torch.randn(5, 48), torch.randn(48), EPS, 1.0)
+    torch.library.opcheck(torch.ops.llmplug.rms_norm.default, (torch.randn(5, 48), torch.randn(48), EPS, 0.0, True))
+    torch.library.opcheck(torch.ops.llmplug.rms_norm.default,
+                          (qkv[:, :128].view(5, 4, 32), torch.randn(32), EPS, 1.0, False))
+    args = (torch.randn(5, 48), torch.randn(5, 48), torch.randn(48), EPS, 1.0, False)
     torch.library.opcheck(torch.ops.llmplug.add_rms_norm.default, args)
 
 

@@ -175,6 +175,28 @@ def test_bench_tp_launches_torchrun_on_cpu(tmp_path):
     assert all(r["identical"] for r in rows if r["tp"] == 2)
 
 
+def test_bench_tp_agreement_on_cpu(tmp_path):
+    """``--agreement``: on gloo in fp32 the split trained model continues every prompt as one process does, both
+    batched and one at a time (interval reported, no margins to report)."""
+    out = tmp_path / "tp.json"
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "llmplug.cli", "bench", "--new-tokens", "4", "--out", str(out), "tp",
+                           "--tp", "2", "--batches", "1", "--agreement", "models/llmplug-stdlib-small", "--prompts",
+                           "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())["agreement"]
+    assert result["prompts"] == 3 and result["batched"] == result["one_at_a_time"] == 1.0
+    assert result["batched_margins_at_divergence"] == result["one_at_a_time_margins_at_divergence"] == []
+    assert result["one_at_a_time_interval"][1] == 1.0 and 0.3 < result["one_at_a_time_interval"][0] < 0.5
+
+
+def test_wilson_interval():
+    from llmplug.bench.tp import wilson_interval
+
+    assert wilson_interval(93, 109) == [0.775, 0.908]  # last session's 85.3%: 90% is inside the interval
+    assert wilson_interval(0, 10)[0] == 0.0
+
+
 def test_bench_tp_sweeps_the_one_shot_program_cap(monkeypatch):
     """``bench tp`` times the one-shot all-reduce at every program cap its signal pads allow (here up to 64) for the
     batch-8 and batch-32 messages, then restores the cap; without symmetric memory it reports nothing."""

@@ -111,46 +111,69 @@ def decode(model, batch: int, new_tokens: int, repeats: int, device: str) -> tup
 
 
 def agreement(path: str, rank: int, world: int, prompts: int, new_tokens: int = 32, device: str = "cuda",
-              dtype: torch.dtype = torch.bfloat16) -> dict | None:
+              dtype: torch.dtype = torch.bfloat16, stride: int = 256) -> dict | None:
     """Greedy agreement of the trained model at TP = world with TP=1 (rank 0 alone): the fraction of held-out
-    prompts (64-token windows every 512 tokens of the held-out stdlib files) whose ``new_tokens`` continuations are
-    identical, generated all in one batch (cuBLAS projections) and one prompt at a time (the one-row GEMVs, CUDA
-    graphs). None on ranks other than 0."""
+    prompts (64-token windows every ``stride`` tokens of the held-out stdlib files) whose ``new_tokens`` continuations
+    are identical, generated all in one batch (cuBLAS projections) and one prompt at a time (the one-row GEMVs, CUDA
+    graphs), with its Wilson 95% interval. Where a continuation differs, TP=1's margin between its two best logits
+    at the first differing token says how near a tie the split decided. None on ranks other than 0."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     rows = []
     for f in held_out_files():
         ids = tokenizer(f.read_text(errors="ignore"))["input_ids"]
-        rows += [ids[i:i + 64] for i in range(0, len(ids) - 64 + 1, 512)]
+        rows += [ids[i:i + 64] for i in range(0, len(ids) - 64 + 1, stride)]
         if len(rows) >= prompts:
             break
     ids = torch.tensor(rows[:prompts], device=device)
 
-    def continuations(model) -> dict:
-        gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        one_by_one = [model.generate(input_ids=row[None], attention_mask=torch.ones_like(row[None]), **gen)
-                      for row in ids]
-        return {"batched": model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **gen).cpu(),
-                "one_at_a_time": torch.cat(one_by_one).cpu()}
+    def continuations(model, margins: bool) -> dict:
+        """way -> (new tokens (P, new_tokens), with ``margins`` the top-2 logit margins (P, new_tokens), else None)."""
+        gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
+                   output_logits=margins)
+
+        def run(rows_):
+            out = model.generate(input_ids=rows_, attention_mask=torch.ones_like(rows_), **gen)
+            margins = None if out.logits is None else torch.stack(
+                [torch.topk(step.float(), 2).values.diff(dim=-1).neg()[:, 0] for step in out.logits], dim=1).cpu()
+            return out.sequences[:, -new_tokens:].cpu(), margins
+
+        singles = [run(row[None]) for row in ids]
+        return {"batched": run(ids), "one_at_a_time": (torch.cat([t for t, _ in singles]),
+                                                       torch.cat([m for _, m in singles]) if margins else None)}
 
     one = None
     if rank == 0:
         model = llmplug.optimize(build(path, dtype, device))
-        one = continuations(model)
+        one = continuations(model, margins=True)
         llmplug.unoptimize(model)
         del model
     dist.barrier()
     model = llmplug.optimize(build(path, dtype, device), tensor_parallel="auto")
-    split = continuations(model)
+    split = continuations(model, margins=False)  # every rank runs the same steps
     llmplug.unoptimize(model)
     if rank != 0:
         return None
     result = {"prompts": len(ids), "new_tokens": new_tokens}
-    for way, tokens in split.items():
-        same = (tokens == one[way]).all(dim=1)
+    for way, (tokens, _) in split.items():
+        want, margins = one[way]
+        differs = tokens != want
+        same = ~differs.any(dim=1)
+        first = differs.int().argmax(dim=1)
         result[way] = float(same.float().mean())
+        result[f"{way}_interval"] = wilson_interval(int(same.sum()), len(ids))
+        result[f"{way}_margins_at_divergence"] = [round(float(margins[i, first[i]]), 4)
+                                                  for i in torch.nonzero(~same).flatten().tolist()]
         print(f"greedy agreement of TP={world} with TP=1 on {path}, {way.replace('_', ' ')}: {int(same.sum())} of "
-              f"{len(ids)} prompts identical over {new_tokens} tokens", flush=True)
+              f"{len(ids)} prompts identical over {new_tokens} tokens (95% {result[f'{way}_interval']}); TP=1's "
+              f"top-2 logit margins where they part: {result[f'{way}_margins_at_divergence']}", flush=True)
     return result
+
+
+def wilson_interval(hits: int, n: int, z: float = 1.96) -> list[float]:
+    """Wilson score interval of a fraction ``hits / n`` (95% at the default ``z``), rounded to 3 places."""
+    p, z2 = hits / n, z * z
+    centre, half = (p + z2 / (2 * n)) / (1 + z2 / n), z * ((p * (1 - p) + z2 / (4 * n)) / n) ** 0.5 / (1 + z2 / n)
+    return [round(centre - half, 3), round(centre + half, 3)]
 
 
 def run(model_name: str, batches=(1, 8), new_tokens: int = 256, repeats: int = 3, allreduce=("nccl", "one_shot"),

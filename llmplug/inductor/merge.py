@@ -3,8 +3,8 @@
 q/k/v (and gate/up) each multiply the same normalised row: :func:`group` makes one ``llmplug::gemv_group`` read all
 their weights where they lie (no concatenated copy), its output sliced back into each projection's.
 :func:`gate` turns a gate/up group whose two products feed one ``llmplug::act_mul`` into the gated GEMV, the
-activation in its epilogue. :func:`prologue` moves the residual add + RMSNorm (``llmplug::add_rms_norm``) that makes
-a group's input into the group's prologue, where its weights are small enough
+activation in its epilogue (so does a fused gate/up weight's split product). :func:`prologue` moves the residual add
++ RMSNorm (``llmplug::add_rms_norm``) that makes a GEMV's input into its prologue, where its weights are small enough
 (:func:`~llmplug.ops.gemv.norm_in_prologue`). Each saves a launch and a round trip through memory per layer.
 """
 
@@ -118,21 +118,47 @@ def _parts(node) -> list | None:
     return sorted(outs[0].users, key=lambda s: s.args[2])
 
 
+def _halves(node) -> list | None:
+    """A plain GEMV's output split into two equal halves along its last dim (a fused gate/up, Phi-3's ``chunk(2)``),
+    and nothing else: the halves' ``getitem`` nodes in order, or None."""
+    if not _plain_gemv(node):
+        return None
+    users = _consumers(node)
+    split = users[0] if len(users) == 1 else None
+    n = value(node).shape[-1]
+    if not is_call(split, aten.split.Tensor) or split.args[1] != n // 2 or n % 2 or \
+            (split.args[2] if len(split.args) > 2 else 0) not in (-1, value(split.args[0]).dim() - 1):
+        return None
+    halves = sorted(split.users, key=lambda g: g.args[1])
+    return halves if [g.args[1] for g in halves] == [0, 1] else None
+
+
 def gate(graph: torch.fx.Graph) -> int:
-    """A two-weight group whose products are only ``llmplug::act_mul(gate, up, act)``'s inputs (through views) -> the
-    gated group (``act`` in the GEMV's epilogue); returns how many."""
+    """Gate and up products that are only ``llmplug::act_mul(gate, up, act)``'s inputs (through views): a
+    two-weight group's slices, or the halves of one fused gate/up weight's product -> the gated GEMV (``act`` in its
+    epilogue); returns how many."""
     count = 0
     for node in list(graph.nodes):
         parts = _parts(node)
-        if parts is None or len(parts) != 2:
+        fused = None if parts is not None else _halves(node)
+        pair = parts if parts is not None and len(parts) == 2 else fused
+        if pair is None:
             continue
-        users = {u for p in parts for u in _consumers(p)}
+        users = {u for p in pair for u in _consumers(p)}
         act = next(iter(users)) if len(users) == 1 else None
-        if not is_call(act, torch.ops.llmplug.act_mul.default) or [_base(a) for a in act.args[:2]] != parts or \
-                value(node.args[1][0]).shape != value(node.args[1][1]).shape:
+        if not is_call(act, torch.ops.llmplug.act_mul.default) or [_base(a) for a in act.args[:2]] != pair:
             continue
         with graph.inserting_before(node):
-            _, y, _ = _group_node(graph, node.args[0], node.args[1], None, act.args[2])
+            if fused is not None:
+                x, weight = node.args[0], node.args[1]
+                n, k = value(weight).shape
+                config = choose_config(n, k)
+                config = (2 * config[0], *config[1:]) if config[0] % 2 else config
+                y = _call(graph, torch.ops.llmplug.gemv.default, x, weight, None, act.args[2], *config, False)
+            elif value(node.args[1][0]).shape == value(node.args[1][1]).shape:
+                _, y, _ = _group_node(graph, node.args[0], node.args[1], None, act.args[2])
+            else:
+                continue
             out = _call(graph, aten.view.default, y, list(value(act).shape))
         act.replace_all_uses_with(out)
         count += 1
@@ -140,33 +166,53 @@ def gate(graph: torch.fx.Graph) -> int:
     return count
 
 
+def _weights(node) -> list | None:
+    """The weights a GEMV without a norm prologue reads: a group's, or a one-row ``llmplug::gemv``'s (any bias or
+    activation, not fp32 output); None for anything else."""
+    if is_call(node, torch.ops.llmplug.gemv_group.default) and node.args[2] is None:
+        return list(node.args[1])
+    if is_call(node, torch.ops.llmplug.gemv.default) and not node.args[8]:
+        return [node.args[1]]
+    return None
+
+
 def prologue(graph: torch.fx.Graph) -> int:
-    """``llmplug::add_rms_norm`` whose normalised output feeds one group only, the group's weights small enough ->
-    the add and the norm in the group's prologue, its second output the new residual; returns how many."""
+    """``llmplug::add_rms_norm`` whose normalised output feeds one GEMV only (a group, or one weight such as a fused
+    q/k/v), its weights small enough -> the add and the norm in that GEMV's prologue, its second output the new
+    residual; returns how many."""
     count = 0
     for node in list(graph.nodes):
-        if not is_call(node, torch.ops.llmplug.gemv_group.default) or node.args[2] is not None:
+        weights = _weights(node)
+        if weights is None:
             continue
         normed = _base(node.args[0])
         fused = normed.args[0] if is_call(normed, operator.getitem) and normed.args[1] == 0 else None
         if not is_call(fused, torch.ops.llmplug.add_rms_norm.default) or set(_consumers(normed)) != {node}:
             continue
-        if not norm_in_prologue(sum(value(w).numel() for w in node.args[1])):
+        if not norm_in_prologue(sum(value(w).numel() for w in weights)):
             continue
         total = next((u for u in fused.users if u.args[1] == 1), None)
         order = {n: i for i, n in enumerate(graph.nodes)}
         if total is not None and any(order[u] < order[node] for u in total.users):
-            continue  # the new residual is read before the group runs
+            continue  # the new residual is read before the GEMV runs
         a, b, norm_weight, eps, offset, round_first = fused.args
         row = list(value(node.args[0]).shape)
         with graph.inserting_before(node):
             x, residual = _call(graph, aten.view.default, a, row), _call(graph, aten.view.default, b, row)
-            _, y, residual_out = _group_node(graph, x, node.args[1], (residual, norm_weight, eps, offset, round_first),
-                                             node.args[_GATED])
+            if is_call(node, torch.ops.llmplug.gemv.default):  # (x, weight, bias, gated, *config, fp32_out)
+                new = _call(graph, torch.ops.llmplug.add_norm_gemv.default, x, residual, norm_weight, eps, offset,
+                            round_first, node.args[1], node.args[2], node.args[3], *node.args[4:8])
+                y, residual_out = _call(graph, operator.getitem, new, 0), _call(graph, operator.getitem, new, 1)
+            else:
+                _, y, residual_out = _group_node(graph, x, weights, (residual, norm_weight, eps, offset, round_first),
+                                                 node.args[_GATED])
             if total is not None:
                 total.replace_all_uses_with(_call(graph, aten.view.default, residual_out, list(value(a).shape)))
-        for out in [u for u in node.users if u.args[1] == 0]:
-            out.replace_all_uses_with(y)
+        if is_call(node, torch.ops.llmplug.gemv.default):
+            node.replace_all_uses_with(y)
+        else:
+            for out in [u for u in node.users if u.args[1] == 0]:
+                out.replace_all_uses_with(y)
         count += 1
     graph.eliminate_dead_code()
     return count

@@ -131,11 +131,18 @@ def test_bf16_graphs_with_casts_match_too(family):
     assert report["act_mul"] == model.config.num_hidden_layers
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v with a bias (addmm)
+# family -> (projections a layer, merged groups a layer) at one token: q/k/v and gate/up merged (qwen2's q/k/v carry a
+# bias: not merged; phi3's are fused weights already)
+PROJECTIONS = {"llama": (7, 2), "qwen2": (7, 1), "phi3": (4, 0)}
+
+
+@pytest.mark.parametrize("family", sorted(PROJECTIONS))
 def test_few_row_projections_become_llmplug_gemvs(monkeypatch, family):
     """At one token every projection is a one-row product: each becomes ``llmplug::gemv`` (on CUDA; the CPU is let in
     here to exercise the matching, its op being the reference), the lm_head too; at 2-8 tokens ``llmplug::skinny_gemv``;
-    at nine, none."""
+    at nine, none. At one token, sibling projections merge, every gate/up (two weights or one fused) takes its
+    activation, and every GEMV whose input is a residual add's norm (all but the first layer's q/k/v, and the lm_head)
+    takes the norm in its prologue."""
     from llmplug.inductor import gemv
     from llmplug.ops._triton import INTERPRET, cpu_kernels
 
@@ -143,7 +150,8 @@ def test_few_row_projections_become_llmplug_gemvs(monkeypatch, family):
     torch.manual_seed(0)
     model = make_model(family, dtype=torch.bfloat16)
     layers = model.config.num_hidden_layers
-    projections = 7 * layers + 1
+    per_layer, groups = PROJECTIONS[family]
+    projections = per_layer * layers + 1
     for tokens, want in ((1, {"gemv": projections, "skinny_gemv": 0}), (3, {"gemv": 0, "skinny_gemv": projections}),
                          (9, {"gemv": 0, "skinny_gemv": 0})):
         ids = torch.tensor([[5, 9, 7, 11, 6, 8, 10, 12, 4][:tokens]])
@@ -159,11 +167,9 @@ def test_few_row_projections_become_llmplug_gemvs(monkeypatch, family):
                                    atol=2e-2 * expected.float().abs().max().item())  # bf16 roundings of other kernels
         report = llmplug.inductor.report()
         assert {key: report[key] for key in want} == want, tokens
-        if tokens == 1:  # q/k/v merged (not qwen2's, which carry a bias), gate/up gated, the norm in the prologue of
-            # each group whose input is a residual add's norm (all but the first layer's q/k/v)
-            merged_qkv = 0 if family == "qwen2" else layers
-            assert report["gemv_group"] == merged_qkv + layers and report["gated_gemv"] == layers
-            assert report["norm_prologue"] == merged_qkv + layers - (merged_qkv > 0)
+        if tokens == 1:
+            assert report["gemv_group"] == groups * layers and report["gated_gemv"] == layers
+            assert report["norm_prologue"] == (2 * layers if groups != 1 else layers + 1)
 
 
 def test_merged_projections_keep_greedy_tokens(monkeypatch):

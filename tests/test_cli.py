@@ -205,11 +205,11 @@ def test_bench_tp_sweeps_the_one_shot_program_cap(monkeypatch):
     from llmplug.bench import tp
 
     one_shot = SimpleNamespace(programs=32, max_programs=64)
-    group = SimpleNamespace(_symm={"one_shot": one_shot}, all_reduce=None)
+    group = SimpleNamespace(one_shot=one_shot, all_reduce=None)
     seen = []
     monkeypatch.setattr(tp, "allreduce_us", lambda reduce, numel, dtype: seen.append(one_shot.programs) or 1.0)
     out = tp.one_shot_programs(group)
     assert set(out) == {65536, 262144, 524288}
     assert all(list(v) == [16, 32, 64] for v in out.values()) and seen == [16, 32, 64] * 3
     assert one_shot.programs == 32
-    assert tp.one_shot_programs(SimpleNamespace(_symm={})) == {}
+    assert tp.one_shot_programs(SimpleNamespace(one_shot=None)) == {}

@@ -27,8 +27,8 @@ import llmplug
 
 from ..parallel.group import TPGroup
 from ..parallel.load import build_split
-from ..patches.decoder import MM_FP32_OUT
 from ..state import state_of
+from .e2e import row_agreement
 from .shapes import SHAPES, build, weight_bytes
 from .spec import decisive, held_out_files, timed
 from .timing import ceilings
@@ -84,7 +84,7 @@ def allreduce_us(reduce, numel: int, reps: int = 64, dtype: torch.dtype = torch.
 def one_shot_programs(group: TPGroup) -> dict:
     """The one-shot all-reduce's time at batch 8 and 32 (bf16, and fp32 shares at 32) by its program cap: {bytes:
     {programs: us}}; empty where symmetric memory is unavailable. The cap is restored afterwards."""
-    one_shot = group._symm.get("one_shot")
+    one_shot = group.one_shot
     if one_shot is None:
         return {}
     out, default = {}, one_shot.programs
@@ -133,13 +133,13 @@ def agreement(path: str, rank: int, world: int, prompts: int, new_tokens: int = 
 
         def run(rows_):
             out = model.generate(input_ids=rows_, attention_mask=torch.ones_like(rows_), **gen)
-            margins = None if out.logits is None else torch.stack(
+            gaps = None if out.logits is None else torch.stack(
                 [torch.topk(step.float(), 2).values.diff(dim=-1).neg()[:, 0] for step in out.logits], dim=1).cpu()
-            return out.sequences[:, -new_tokens:].cpu(), margins
+            return out.sequences[:, -new_tokens:].cpu(), gaps
 
         singles = [run(row[None]) for row in ids]
         return {"batched": run(ids), "one_at_a_time": (torch.cat([t for t, _ in singles]),
-                                                       torch.cat([m for _, m in singles]) if margins else None)}
+                                                       torch.cat([g for _, g in singles]) if margins else None)}
 
     one = None
     if rank == 0:
@@ -155,15 +155,14 @@ def agreement(path: str, rank: int, world: int, prompts: int, new_tokens: int = 
         return None
     result = {"prompts": len(ids), "new_tokens": new_tokens}
     for way, (tokens, _) in split.items():
-        want, margins = one[way]
-        differs = tokens != want
-        same = ~differs.any(dim=1)
-        first = differs.int().argmax(dim=1)
-        result[way] = float(same.float().mean())
-        result[f"{way}_interval"] = wilson_interval(int(same.sum()), len(ids))
-        result[f"{way}_margins_at_divergence"] = [round(float(margins[i, first[i]]), 4)
-                                                  for i in torch.nonzero(~same).flatten().tolist()]
-        print(f"greedy agreement of TP={world} with TP=1 on {path}, {way.replace('_', ' ')}: {int(same.sum())} of "
+        want, gaps = one[way]
+        found = row_agreement(tokens, want)
+        hits = round(found["rows_identical"] * len(ids))
+        result[way] = found["rows_identical"]
+        result[f"{way}_interval"] = wilson_interval(hits, len(ids))
+        result[f"{way}_margins_at_divergence"] = [round(float(gaps[i, p]), 4)
+                                                  for i, p in enumerate(found["first_divergence"]) if p < new_tokens]
+        print(f"greedy agreement of TP={world} with TP=1 on {path}, {way.replace('_', ' ')}: {hits} of "
               f"{len(ids)} prompts identical over {new_tokens} tokens (95% {result[f'{way}_interval']}); TP=1's "
               f"top-2 logit margins where they part: {result[f'{way}_margins_at_divergence']}", flush=True)
     return result
@@ -183,8 +182,7 @@ def run(model_name: str, batches=(1, 8), new_tokens: int = 256, repeats: int = 3
     rank, world = join_group(cuda), int(os.environ["WORLD_SIZE"])
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     report = {"model": model_name, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "torch": torch.__version__, "mm_fp32_out": MM_FP32_OUT,
-              "ceilings": ceilings(device), "allreduce_us_in_graph": {}, "rows": []}
+              "torch": torch.__version__, "ceilings": ceilings(device), "allreduce_us_in_graph": {}, "rows": []}
     if cuda:
         group = TPGroup(rank, world)
         os.environ["LLMPLUG_TP_ALLREDUCE"] = "one_shot"

@@ -35,6 +35,11 @@ class TPGroup:
     def group_name(self) -> str:
         return (self.group or dist.group.WORLD).group_name
 
+    @property
+    def one_shot(self):
+        """The mapped :class:`~llmplug.parallel.one_shot.OneShot` all-reduce (:meth:`prepare`), or None (NCCL)."""
+        return self._symm.get("one_shot")
+
     def prepare(self, device: torch.device) -> None:
         """On CUDA, map the one-shot all-reduce's buffer on every rank (collective: every rank calls it together);
         NCCL alone with ``LLMPLUG_TP_ALLREDUCE=nccl`` or where CUDA symmetric memory fails."""
@@ -55,7 +60,7 @@ class TPGroup:
         """Sum ``x`` over the ranks, in place; returns ``x``, or with ``out_dtype`` the sum in that dtype (fp32
         partial products summed before one rounding). ``fence``: through NCCL whatever the size, so that no rank
         runs past it before every rank has finished its earlier kernels (:mod:`llmplug.parallel.one_shot`)."""
-        one_shot = self._symm.get("one_shot")
+        one_shot = self.one_shot
         if one_shot is not None and one_shot.fits(x) and not fence:
             same = out_dtype in (None, x.dtype)
             return one_shot(x, x if same else torch.empty(x.shape, dtype=out_dtype, device=x.device))

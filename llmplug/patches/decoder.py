@@ -46,9 +46,6 @@ class FamilySpec:
     rope_per_layer_type: bool = False
 
 
-MM_FP32_OUT = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) (CUDA, 16-bit in, fp32 out)
-
-
 class Dense:
     """A plain weight (and bias) as the fused forward calls it: ``dense.matmul(x) -> (M, N)``.
 
@@ -68,11 +65,9 @@ class Dense:
             return skinny_gemv.skinny_gemv(x, self.weight, self.bias, fp32_out=fp32_out)
         if not fp32_out or x.dtype == torch.float32:
             return F.linear(x, self.weight, self.bias)
-        if x.is_cuda and MM_FP32_OUT:
+        if x.is_cuda:
             out = torch.mm(x, self.weight.t(), out_dtype=torch.float32)  # cuBLAS, fp32 accumulators kept
             return out if self.bias is None else out + self.bias.float()
-        if x.is_cuda:  # a torch without mm's out_dtype: rounded like one GPU's product, then widened
-            return F.linear(x, self.weight, self.bias).float()
         return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
     def gated_matmul(self, x: torch.Tensor, activation: str) -> torch.Tensor:

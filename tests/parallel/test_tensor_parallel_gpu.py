@@ -71,7 +71,7 @@ def _reduce_on_ranks(rank: int, sizes: tuple[int, ...], dtype: torch.dtype) -> d
     os.environ["LLMPLUG_TP_ALLREDUCE"] = "one_shot"
     group = TPGroup(rank, dist.get_world_size())
     group.prepare(torch.device("cuda"))
-    assert group._symm, "the one-shot buffer was not mapped"
+    assert group.one_shot is not None, "the one-shot buffer was not mapped"
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
     worst = {}
     for n in sizes:

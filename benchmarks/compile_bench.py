@@ -17,22 +17,13 @@ from transformers import CompileConfig
 
 import llmplug.inductor
 from llmplug.bench.shapes import build, weight_bytes
-from llmplug.bench.timing import ceilings, sync, time_call
+from llmplug.bench.timing import ceilings, kernels_by_name, sync, time_call
 
 
 def kernels_per_step(model, gen: dict, steps: int) -> dict:
     """GPU kernel time by kernel name over a ``steps``-token generate (prefill included), us per step."""
-    from torch.profiler import ProfilerActivity, profile
-
     model.generate(**gen, max_new_tokens=steps)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model.generate(**gen, max_new_tokens=steps)
-        sync("cuda")
-    totals: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            totals[e.name] = totals.get(e.name, 0.0) + e.device_time / steps
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+    return kernels_by_name(lambda: model.generate(**gen, max_new_tokens=steps), per=steps)
 
 
 def main() -> None:

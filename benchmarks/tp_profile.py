@@ -12,11 +12,11 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
 
 import llmplug
 from llmplug.bench.shapes import build
 from llmplug.bench.spec import decisive
+from llmplug.bench.timing import kernels_by_name
 from llmplug.bench.tp import join_group
 
 
@@ -35,14 +35,7 @@ def main() -> None:
     model.generate(**gen)
     torch.cuda.synchronize()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model.generate(**gen)
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            totals[e.name] = totals.get(e.name, 0.0) + e.device_time / args.steps
-    totals = dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+    totals = kernels_by_name(lambda: model.generate(**gen), per=args.steps)
     if rank == 0:
         mode = os.environ.get("LLMPLUG_TP_ALLREDUCE", "one_shot")
         with open(args.out, "w") as f:

@@ -66,6 +66,21 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int = 100, warmup: int 
     return start.elapsed_time(end) / replays * 1e-3
 
 
+def kernels_by_name(fn: Callable[[], object], per: int = 1) -> dict[str, float]:
+    """GPU time of each kernel name over one call of ``fn`` (profiled, synchronized), in us divided by ``per`` (the
+    steps the call ran), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name] = totals.get(e.name, 0.0) + e.device_time / per
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def ceilings(device: str) -> dict:
     """Measured read bandwidth (bytes/s) and bf16 matmul rate (FLOP/s) on ``device`` (CUDA only)."""
     if torch.device(device).type != "cuda":

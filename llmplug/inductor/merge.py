@@ -66,9 +66,7 @@ def _call(graph, target, *args):
 def _group_node(graph, x, weights, norm, gated):
     """``llmplug::gemv_group`` and its two outputs ``(y, residual_out)``."""
     n, k = sum(value(w).shape[0] for w in weights), value(weights[0]).shape[1]
-    config = choose_config(n, k)
-    if gated and config[0] % 2:
-        config = (2 * config[0], *config[1:])
+    config = choose_config(n, k)  # an even row count a program, as a gated GEMV needs
     residual, norm_weight, eps, offset, round_first = norm or (None, None, 0.0, 0.0, True)
     node = _call(graph, torch.ops.llmplug.gemv_group.default, x, list(weights), residual, norm_weight, eps, offset,
                  round_first, gated, *config)
@@ -151,10 +149,7 @@ def gate(graph: torch.fx.Graph) -> int:
         with graph.inserting_before(node):
             if fused is not None:
                 x, weight = node.args[0], node.args[1]
-                n, k = value(weight).shape
-                config = choose_config(n, k)
-                config = (2 * config[0], *config[1:]) if config[0] % 2 else config
-                y = _call(graph, torch.ops.llmplug.gemv.default, x, weight, None, act.args[2], *config, False)
+                y = _call(graph, torch.ops.llmplug.gemv.default, x, weight, None, act.args[2], *node.args[4:8], False)
             elif value(node.args[1][0]).shape == value(node.args[1][1]).shape:
                 _, y, _ = _group_node(graph, node.args[0], node.args[1], None, act.args[2])
             else:

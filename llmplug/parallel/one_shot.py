@@ -22,8 +22,9 @@ import triton.language as tl
 
 SLOT_BYTES = 512 << 10  # the largest message that takes this path (32 tokens of an 8B model's hidden state, fp32)
 BLOCK = 1024  # elements a program moves per pass: 8 per thread of 4 warps (16-byte vectors in bf16)
-MAX_PROGRAMS = 32  # programs per call (each meets its peers at its own flags): MAX_PROGRAMS * world flags in a pad
-# (``OneShot.programs``: ``llmplug bench tp`` times other counts for the larger messages)
+MIN_PROGRAMS = 32  # each program meets its peers at its own flags: the pads must hold MIN_PROGRAMS * world
+# NOTE: 2x H200, 2026-11-27 (BENCHMARKS.md, "one-shot program cap"): a cap of 128 takes 256 KB from 8.2 to 6.0 us
+PROGRAMS = 128  # default cap on a call's programs (up to what the pads hold); smaller messages use fewer
 
 
 @triton.jit
@@ -101,10 +102,10 @@ class OneShot:
         self.buffer = buffer  # owned here: the peers read it for as long as this object lives
         self.rank, self.world = handle.rank, handle.world_size
         self.max_programs = handle.signal_pad_size // (self.world * 4)  # one flag a program and peer
-        if self.max_programs < MAX_PROGRAMS:
+        if self.max_programs < MIN_PROGRAMS:
             raise RuntimeError(f"the signal pads hold {handle.signal_pad_size} bytes; the one-shot all-reduce needs "
-                               f"{MAX_PROGRAMS * self.world * 4}")
-        self.programs = MAX_PROGRAMS  # at most this many programs a call (up to max_programs)
+                               f"{MIN_PROGRAMS * self.world * 4}")
+        self.programs = min(PROGRAMS, self.max_programs)  # at most this many programs a call
         start = buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # where the buffer sits in each mapped allocation
         device = buffer.device
         self.bufs = torch.tensor([p + start for p in handle.buffer_ptrs], dtype=torch.int64, device=device)

@@ -57,7 +57,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     # a mixed step: one-token rows on the decode kernel (one K/V read per head group), the rest on the prefill kernel
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens, scale, window, cap,
-                                **scales)
+                                _num_splits=meta.num_splits, **scales)
     if nd < q.shape[0]:
         out[nd:] = prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.block_tables[nd:],
                                      meta.cu_seqlens_q[nd:] - nd, meta.context_lens[nd:], meta.max_seqlen_q, scale,

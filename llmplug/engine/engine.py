@@ -439,8 +439,9 @@ class Engine(ServingMixin, RankZeroMixin):
         """Pay one-time costs now, not mid-serving (CUDA only; once per engine).
 
         Captures the decode graph (capturing an EAGLE-3 head's layer inputs when ``EngineConfig.speculative`` drafts
-        with one; the draft model's too when it drafts with a draft model) and the
-        greedy ring's of every batch size up to ``max_num_seqs``, then serves a throwaway set of random prompts (lengths
+        with one; the draft model's too when it drafts with a draft model) and the greedy ring's of every batch size
+        up to ``max_num_seqs``, compiles the decode attention of every split count, captures the piecewise graphs of
+        packed steps up to ``max_num_batched_tokens`` tokens, then serves a throwaway set of random prompts (lengths
         from 1 to ``max_num_batched_tokens``, a few tokens each), so the kernels' variants of mixed steps are compiled
         and single-sequence prefill graphs captured. Counters and prefix cache are reset.
         """
@@ -451,6 +452,8 @@ class Engine(ServingMixin, RankZeroMixin):
         if spec is not None and spec.method == "eagle3":  # its steps capture layer inputs: graphs of their own
             self.speculation.drafter(spec).capture()
         self.runner.capture_decode_graphs(self.config.max_num_seqs, greedy=self.config.greedy_ring >= 2)
+        self.runner.compile_attention_variants()
+        self.runner.capture_piecewise(self.config.max_num_batched_tokens)
         if spec is not None and spec.method == "draft":  # the draft model's decode graphs too
             drafter = self.speculation.drafter(spec)
             with drafter.state.step_lock:

@@ -29,6 +29,7 @@ class AttentionMetadata:
         token_seq_lens, token_block_tables: uniform steps of a few tokens a row (speculative verifies): ``(T,)
             int32`` each token's causal length (its position + 1; 0 on padding rows) and ``(T, M) int32`` its row's
             pages, so the decode kernel attends for every token; None otherwise (the prefill kernel).
+        num_splits: the decode kernel's split count in a packed step (0: chosen from the shapes; warm-up sets each).
     """
 
     query_len: int
@@ -41,6 +42,7 @@ class AttentionMetadata:
     num_decodes: int = 0
     token_seq_lens: torch.Tensor | None = None
     token_block_tables: torch.Tensor | None = None
+    num_splits: int = 0
 
     @property
     def is_decode(self) -> bool:

@@ -17,6 +17,7 @@ import torch
 
 from ..config import OptimizeConfig
 from ..kv.cache import PagedKVCache, kv_storage_dtype
+from ..ops._paged_decode import MAX_SPLITS
 from ..ops._triton import programmatic_launch
 from ..ops.greedy_step import advance_step, greedy_step
 from ..parallel.group import TPGroup
@@ -24,6 +25,7 @@ from ..parallel.shard import head_split
 from ..spec.rejection import greedy_accept
 from .attention import ATTENTION_NAME
 from .metadata import AttentionMetadata
+from .piecewise import PiecewiseGraphs
 from .step import StepContext, uniform_metadata
 
 # (runner, input_ids (T,), positions (T,), logits_indices (B,) or None) -> logits (B, V)
@@ -93,6 +95,11 @@ class ModelRunner:
         self.rope_by_position = kinds <= POSITION_ONLY_ROPE
         self._graphs_allowed = (config.cuda_graphs and self.device.type == "cuda"
                                 and not kinds & {"dynamic", "longrope"})
+        # packed steps of a fused family as pieces captured per token bucket (not under TP: its all-reduces alternate
+        # buffers in an order each capture fixes)
+        self.piecewise = None
+        if self._graphs_allowed and tp is None and hasattr(forward_fn, "body") and config.piecewise_tokens:
+            self.piecewise = PiecewiseGraphs(self, forward_fn, config.piecewise_tokens)
 
     # ---- KV pool -------------------------------------------------------------------------------------------
     @property
@@ -145,6 +152,8 @@ class ModelRunner:
         """Free the KV pool and graphs (``unoptimize``); later graphs start a new memory pool (PyTorch does not
         capture into a pool whose graphs are all gone)."""
         self._graphs.clear()
+        if self.piecewise is not None:
+            self.piecewise.clear()
         self._pool = None
         self.cache = None
         self.meta = None
@@ -194,8 +203,9 @@ class ModelRunner:
         A uniform step of up to ``MAX_GRAPH_QUERY`` tokens a row that wants every row's logits (decodes, verifies)
         replays the CUDA graph of its (rows bucket, query length), padding rows at position -1 (never stored, never
         read); one sequence's chunk of up to ``max(graph_prefill_tokens)`` tokens whose last logits are wanted replays
-        the graph of its token bucket (pad tokens follow the real ones and are never stored). Everything else runs
-        eagerly.
+        the graph of its token bucket (pad tokens follow the real ones and are never stored). Other steps replay the
+        pieces of their token bucket where :meth:`capture_piecewise` captured one (attention between the pieces,
+        :mod:`~llmplug.engine.piecewise`) and run eagerly otherwise.
         """
         q, rows, tokens = ctx.query_len, ctx.num_rows, ctx.input_ids.shape[0]
         every_row = ctx.logits_indices is None and q <= MAX_GRAPH_QUERY
@@ -209,19 +219,51 @@ class ModelRunner:
         chunk = next((t for t in self.config.graph_prefill_tokens if t >= tokens), None)
         if self._graphs_allowed and rows == 1 and q != 1 and chunk is not None and ctx.logits_indices is not None:
             return self._replay_prefill(ctx.input_ids, positions, meta, ctx.logits_indices, chunk)
-        return self._forward(ctx.input_ids, positions, meta, ctx.logits_indices)
+        pieces = self.piecewise.bucket(tokens) if self.piecewise is not None and not self.aux_layers else None
+        return self._forward(ctx.input_ids, positions, meta, ctx.logits_indices, pieces)
 
     @torch.inference_mode()
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits_indices: torch.Tensor | None) -> torch.Tensor:
-        """Eager forward: ``input_ids, positions (T,)`` -> logits ``(R, V)`` of the rows ``logits_indices``."""
+                 logits_indices: torch.Tensor | None, pieces: int | None = None) -> torch.Tensor:
+        """Eager forward, or the piecewise graphs of bucket ``pieces``: ``input_ids, positions (T,)`` -> logits
+        ``(R, V)`` of the rows ``logits_indices``."""
         self.ensure_cache()
         self.meta = meta
         try:
+            if pieces is not None:
+                return self.piecewise.run(input_ids, positions, logits_indices, pieces)
             with programmatic_launch():  # the step's kernels may overlap their predecessors' tails (weights are fixed)
                 return self.forward_fn(self, input_ids, positions, logits_indices)
         finally:
             self.meta = None
+
+    @torch.inference_mode()
+    def capture_piecewise(self, max_tokens: int) -> list[int]:
+        """Capture the piecewise graphs of every token bucket a packed step of up to ``max_tokens`` tokens uses (a
+        fused family on CUDA, graphs on, no tensor parallelism; else none); returns the captured buckets."""
+        return [] if self.piecewise is None else self.piecewise.capture(max_tokens)
+
+    @torch.inference_mode()
+    def compile_attention_variants(self) -> None:
+        """Compile now the decode attention kernel of every split count a packed step may pick (a kernel constant:
+        each new one compiled mid-serving for ~0.6 s on an H100, BENCHMARKS.md "Triton compiles while serving"): a
+        3-token step a power-of-two count and page-table width (Triton specialises the table's row stride on
+        divisibility by 16), of a decode row and a 2-token prefill row that read page 0 and store nothing. CUDA only.
+        """
+        if self.device.type != "cuda":
+            return
+        dev = self.device
+        context = torch.tensor([1, 0], dtype=torch.int32, device=dev)
+        cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=dev)
+        slots = torch.full((3,), -1, dtype=torch.long, device=dev)
+        positions = torch.tensor([1, 0, 1], device=dev)
+        for width in (17, 32):
+            tables = torch.zeros(2, width, dtype=torch.int32, device=dev)
+            for splits in (1 << i for i in range(MAX_SPLITS.bit_length())):
+                meta = AttentionMetadata(query_len=0, slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu,
+                                         context_lens=context, max_seqlen_q=2, seq_lens=context[:1] + 1,
+                                         num_decodes=1, num_splits=splits)
+                self._forward(torch.zeros(3, dtype=torch.long, device=dev), positions, meta, cu[1:] - 1)
 
     def graph_bucket(self, batch: int) -> int | None:
         """The captured batch size a uniform step of ``batch`` rows runs in, or None (eager)."""

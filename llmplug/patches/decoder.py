@@ -8,6 +8,8 @@ the stock HF forward keeps working beside this one.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +83,8 @@ class Dense:
 
 
 Linear = Dense | QuantLinear  # both offer matmul(x) and gated_matmul(x, activation)
+# (layer, q, k, v, cos, sin) -> attention output, as FusedDecoder.attention
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _linear_of(module: torch.nn.Module) -> Linear:
@@ -237,8 +241,24 @@ class FusedDecoder:
         """``input_ids, positions: (T,)`` -> logits ``(B, V)`` for rows ``logits_indices`` (all rows if None). With
         :meth:`~llmplug.engine.runner.ModelRunner.capture_aux` on, the inputs of those layers (each layer's residual
         stream after its first add) go to ``runner.aux_hidden``."""
-        spec, cache, meta = self.spec, runner.cache, runner.meta
-        aux_layers, aux = runner.aux_layers, {}
+        hidden, residual = self.body(runner, input_ids, positions)
+        return self.head(hidden, residual, logits_indices)
+
+    def attention(self, runner, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s paged attention of the step ``runner.meta`` describes: ``q (T, H, D)``, ``k, v (T, Hkv, D)``
+        before RoPE (``cos, sin (T, R)``; ``q, k`` may be rotated in place) -> ``(T, H, D)``."""
+        lay, cache = self.layers[i], runner.cache
+        k_cache, v_cache, k_scale, v_scale = cache.layer(i)
+        return rope_paged_attention(q, k, v, cos, sin, k_cache, v_cache, runner.meta, lay.scale, lay.window,
+                                    lay.softcap, k_scale, v_scale, cache.split_counters)
+
+    def body(self, runner, input_ids: torch.Tensor, positions: torch.Tensor,
+             attend: Attend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers: ``input_ids, positions (T,)`` -> ``(hidden, residual)``, both ``(T, hidden size)``, whose sum
+        the final norm takes (:meth:`head`). ``attend(i, q, k, v, cos, sin) -> o`` stands in for :meth:`attention`
+        where given (:mod:`llmplug.engine.piecewise` runs the layers as CUDA graphs with attention between them)."""
+        spec, aux_layers, aux = self.spec, runner.aux_layers, {}
         hidden = self.base.embed_tokens(input_ids)
         rope = self._rotary(hidden, positions, runner)
         t, d = input_ids.shape[0], self.head_dim
@@ -257,9 +277,7 @@ class FusedDecoder:
             if hasattr(attn, "q_norm"):
                 q, k = self._norm(q, attn.q_norm), self._norm(k, attn.k_norm)
             cos, sin = rope[lay.rope_key]
-            k_cache, v_cache, k_scale, v_scale = cache.layer(i)
-            o = rope_paged_attention(q, k, v, cos, sin, k_cache, v_cache, meta, lay.scale, lay.window, lay.softcap,
-                                     k_scale, v_scale, cache.split_counters)
+            o = (attend or functools.partial(self.attention, runner))(i, q, k, v, cos, sin)
             if spec.sandwich_norms:  # the norm after each sublayer comes before the residual add
                 hidden = self._norm(lay.o.matmul(o.view(t, -1)), layer.post_attention_layernorm)
                 gated, residual = self._add_norm_matmul(lay.gate_up, None, hidden, residual,
@@ -271,7 +289,11 @@ class FusedDecoder:
                 producer, x = lay.down, gated
         if aux_layers:
             runner.aux_hidden = torch.cat([aux[i] for i in aux_layers], dim=-1)
-        hidden = x if producer is None else producer.matmul(x)
+        return (x if producer is None else producer.matmul(x)), residual
+
+    def head(self, hidden: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """The final residual add + norm and the lm_head on rows ``logits_indices`` (all if None) of :meth:`body`'s
+        ``(hidden, residual)`` -> logits ``(R, V)``."""
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]
         logits, _ = self._add_norm_matmul(self.lm_head, None, hidden, residual, self.base.norm)

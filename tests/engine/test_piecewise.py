@@ -1,0 +1,102 @@
+"""Packed steps replayed as piecewise CUDA graphs (attention eager between the pieces) equal the eager forward, and an
+Engine serving through them gives stock HF's greedy tokens (fp32, CUDA; the CPU has no graphs: the split forward's
+body/head on the CPU is checked here too)."""
+
+import copy
+
+import pytest
+import torch
+
+import llmplug
+from llmplug import Engine, EngineConfig, SamplingParams
+from llmplug.engine.sequences import SequenceBatch
+from llmplug.engine.step import build_step
+from llmplug.ops._triton import cpu_kernels
+from llmplug.state import state_of
+from tests.tiny_models import make_model, pad, prompts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_body_with_staged_attention_equals_the_forward(family):
+    """The decoder's body with every layer's attention inputs copied out and its output read from another buffer (as
+    the pieces do) gives the forward's logits."""
+    model = llmplug.optimize(make_model(family))
+    runner = state_of(model).runner
+    decoder = runner.forward_fn
+    ids, mask = pad(prompts(3, lengths=(5, 17, 9)))
+    batch = SequenceBatch(runner, ids, mask, max_length=40, prefix_cache=False)
+    try:
+        batch._grow(range(3), [1, 17, 9])
+        ctx = build_step(batch.seqs, [1, 17, 9], batch.block_size, ids.device, block_tables=batch.block_table_dev)
+        with cpu_kernels(False):
+            want = runner._forward(ctx.input_ids, ctx.positions, ctx.meta, ctx.logits_indices)
+
+            def staged(i, q, k, v, cos, sin):
+                q, k, v = q.clone(), k.clone(), v.clone()
+                return decoder.attention(runner, i, q, k, v, cos, sin).clone()
+
+            runner.meta = ctx.meta
+            try:
+                hidden, residual = decoder.body(runner, ctx.input_ids, ctx.positions, attend=staged)
+                got = decoder.head(hidden, residual, ctx.logits_indices)
+            finally:
+                runner.meta = None
+    finally:
+        batch.release()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_piecewise_step_equals_the_eager_step_cuda(family):
+    """A packed step of a decode row and two prefill rows (27 tokens) replays the 32-token bucket's pieces; its logits
+    equal the eager step's; twice in a row (pads keep stale values) the same."""
+    model = make_model(family).cuda()
+    llmplug.optimize(model, piecewise_tokens=(8, 32), kv_num_blocks=64)
+    runner = state_of(model).runner
+    assert runner.capture_piecewise(20) == [8, 32]
+    ids, mask = pad(prompts(3, lengths=(6, 17, 9)))
+    ids, mask = ids.cuda(), mask.cuda()
+    batch = SequenceBatch(runner, ids, mask, max_length=40, prefix_cache=False)
+    try:
+        batch.prefill()  # then the step computes the first row's last token and the other rows' prompts again
+        batch.seqs[0].num_computed = 5
+        for s in batch.seqs[1:]:
+            s.num_computed = 0
+        ctx = build_step(batch.seqs, [1, 17, 9], batch.block_size, ids.device, block_tables=batch.block_table_dev)
+        assert runner.piecewise.bucket(27) == 32
+        want = runner._forward(ctx.input_ids, ctx.positions, ctx.meta, ctx.logits_indices).clone()
+        got = runner.step(ctx).clone()
+        again = runner.step(ctx)
+    finally:
+        batch.release()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, again)
+
+
+@pytest.mark.gpu
+def test_engine_through_pieces_equals_stock_fp32_cuda():
+    """An Engine whose packed steps replay pieces (budget 48 tokens: prefill chunks mixed with decodes) gives stock HF's
+    greedy tokens, and the pieces ran."""
+    torch.manual_seed(0)
+    stock = make_model("llama").cuda()
+    stock.generation_config.eos_token_id = None
+    fast = copy.deepcopy(stock)
+    llmplug.optimize(fast, kv_num_blocks=64, kv_block_size=8, graph_batch_sizes=(1, 2, 4, 8),
+                     graph_prefill_tokens=(), piecewise_tokens=(16, 64))
+    rows = prompts(6, lengths=(5, 30, 3, 41, 1, 19), seed=4)
+    news = [20, 17, 33, 25, 9, 28]
+    engine = Engine(fast, EngineConfig(max_num_batched_tokens=48))
+    engine.warmup()
+    pieces = state_of(fast).runner.piecewise
+    assert pieces.bucket(48) == 64
+    runs = []
+    run = pieces.run
+    pieces.run = lambda *a: runs.append(a[-1]) or run(*a)
+    outs = engine.generate(rows, [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in news],
+                           progress=False)
+    assert runs
+    for row, n, out in zip(rows, news, outs):
+        gc = dict(max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+        want = stock.generate(torch.tensor([row], device="cuda"), **gc)[0, len(row):].tolist()
+        assert out.outputs[0].token_ids == want

@@ -96,12 +96,20 @@ class PiecewiseGraphs:
             return bufs["o"]
 
         graphs: list[torch.cuda.CUDAGraph] = []
+        open_ = []  # the graph being captured, if any
+
+        def begin():
+            graphs.append(torch.cuda.CUDAGraph())
+            graphs[-1].capture_begin(pool=runner._graph_pool())
+            open_.append(graphs[-1])
+
+        def end():
+            open_.pop().capture_end()
 
         def cut(i, q, k, v, cos, sin):  # end this piece, start the next
             o = stage(i, q, k, v, cos, sin)
-            graphs[-1].capture_end()
-            graphs.append(torch.cuda.CUDAGraph())
-            graphs[-1].capture_begin(pool=runner._graph_pool())
+            end()
+            begin()
             return o
 
         runner.ensure_cache()
@@ -111,12 +119,12 @@ class PiecewiseGraphs:
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels, the shared buffers are made
                 self.decoder.body(runner, input_ids, positions, attend=stage)
             torch.cuda.synchronize(dev)
-            graphs.append(torch.cuda.CUDAGraph())
-            graphs[-1].capture_begin(pool=runner._graph_pool())
+            begin()
             try:
                 hidden, residual = self.decoder.body(runner, input_ids, positions, attend=cut)
             finally:  # an error mid-capture still ends it, so the stream is usable again
-                graphs[-1].capture_end()
+                if open_:
+                    end()
         torch.cuda.current_stream(dev).wait_stream(stream)
         return _Pieces(graphs, input_ids, positions, rope, hidden, residual)
 

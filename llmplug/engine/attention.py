@@ -24,7 +24,7 @@ RUNTIME_ATTR = "_llmplug_runtime"
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                     softcap: float | None = None, stored: bool = False, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Store ``k, v`` into the pages (unless ``stored``: the caller already did) and attend.
 
     Args:
@@ -32,9 +32,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         k_cache, v_cache: ``(num_blocks, P, Hkv, D)`` this layer's pages (model dtype, or fp8/int8).
         meta: the step's :class:`AttentionMetadata`.
         k_scale, v_scale: ``(num_blocks, Hkv, P)`` fp32 scales of fp8/int8 pages; None otherwise.
+        out: ``(T, H, D)`` to write the result into (last dim contiguous); None: a new tensor.
 
     Returns:
-        ``(T, H, D)`` contiguous.
+        ``(T, H, D)``: ``out``, or a new contiguous tensor.
     """
     window = -1 if sliding_window is None else int(sliding_window)
     cap = 0.0 if softcap is None else float(softcap)
@@ -46,22 +47,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     # combining through the cache's counters (benchmarks/results/..._hf_path_split_counters_de76ea3.json); only the
     # fused kernel, which reads its first tile before the PDL wait, gained from that (rope_paged_attention).
     if meta.is_decode:
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, **scales)
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, out=out,
+                                **scales)
     if meta.token_seq_lens is not None:  # a short uniform step: every token a decode row attending up to itself
         return decode_attention(q, k_cache, v_cache, meta.token_block_tables, meta.token_seq_lens, scale, window, cap,
-                                **scales)
+                                out=out, **scales)
     nd = meta.num_decodes
     if nd == 0:
         return prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                 meta.max_seqlen_q, scale, window, cap, **scales)
-    # a mixed step: one-token rows on the decode kernel (one K/V read per head group), the rest on the prefill kernel
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens, scale, window, cap,
-                                _num_splits=meta.num_splits, **scales)
+                                 meta.max_seqlen_q, scale, window, cap, out=out, **scales)
+    # a mixed step: one-token rows on the decode kernel (one K/V read per head group), the rest on the prefill kernel,
+    # each writing its rows of one output
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens, scale, window, cap,
+                     out=out[:nd], _num_splits=meta.num_splits, **scales)
     if nd < q.shape[0]:
-        out[nd:] = prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.block_tables[nd:],
-                                     meta.cu_seqlens_q[nd:] - nd, meta.context_lens[nd:], meta.max_seqlen_q, scale,
-                                     window, cap, **scales)
+        prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.cu_seqlens_q[nd:] - nd,
+                          meta.context_lens[nd:], meta.max_seqlen_q, scale, window, cap, out=out[nd:], **scales)
     return out
 
 
@@ -69,9 +71,10 @@ def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                          sliding_window: int | None = None, softcap: float | None = None,
                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                         split_counters: torch.Tensor | None = None) -> torch.Tensor:
+                         split_counters: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`paged_attention` of ``q, k`` before RoPE (``cos, sin: (T, R)``, HF ``rotate_half``); ``q, k`` may be
-    rotated in place. ``split_counters``: the cache's (``PagedKVCache.split_counters``).
+    rotated in place. ``split_counters``: the cache's (``PagedKVCache.split_counters``). ``out``: where the result
+    goes (:func:`paged_attention`; the one-kernel decode path makes a new tensor and copies it there).
 
     Decode steps whose context the kernel splits run RoPE, the store, attention and the split combine as one kernel
     (:func:`~llmplug.ops.rope_decode_attention.rope_decode_attention`); other steps rotate and store
@@ -83,12 +86,13 @@ def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     if meta.is_decode and launch_splits(q, k_cache, meta.block_tables, sliding_window) > 1:
         if split_counters is not None and split_counters.numel() < k.shape[0] * k.shape[1]:
             split_counters = None
-        return rope_decode_attention(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                                     meta.seq_lens, scale, sliding_window, softcap, k_scale=k_scale, v_scale=v_scale,
-                                     split_counters=split_counters)
+        o = rope_decode_attention(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                                  meta.seq_lens, scale, sliding_window, softcap, k_scale=k_scale, v_scale=v_scale,
+                                  split_counters=split_counters)
+        return o if out is None else out.copy_(o)
     rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     return paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap, stored=True,
-                           k_scale=k_scale, v_scale=v_scale)
+                           k_scale=k_scale, v_scale=v_scale, out=out)
 
 
 def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -140,7 +140,7 @@ class PiecewiseGraphs:
             for i, graph in enumerate(p.graphs[:-1]):
                 graph.replay()
                 cos, sin = p.rope[i]
-                attn["o"].copy_(self.decoder.attention(self.runner, i, attn["q"], attn["k"], attn["v"], cos[:t],
-                                                       sin[:t]))
+                self.decoder.attention(self.runner, i, attn["q"], attn["k"], attn["v"], cos[:t], sin[:t],
+                                       out=attn["o"])
             p.graphs[-1].replay()
             return self.decoder.head(p.hidden[:t], p.residual[:t], logits_indices)

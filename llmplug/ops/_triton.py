@@ -88,6 +88,16 @@ def cpu_kernels(enabled: bool):
         _cpu_kernels.pop()
 
 
+def check_out(out: torch.Tensor, like: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``out`` can take an op's result shaped like ``like``: same shape, dtype and device,
+    unit stride on the last dim (a view into a larger buffer is fine)."""
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(f"out is {tuple(out.shape)} {out.dtype} on {out.device}; expected {tuple(like.shape)} "
+                         f"{like.dtype} on {like.device}")
+    if out.shape[-1] > 1 and out.stride(-1) != 1:
+        raise ValueError(f"out needs a unit stride on its last dim, got strides {out.stride()}")
+
+
 def call_op(op, *args):
     """Run a llmplug op: straight into its implementation in plain eager mode, through ``torch.ops`` otherwise.
 

@@ -50,6 +50,7 @@ from ._paged_decode import (
 from ._triton import (
     INTERPRET,
     call_op,
+    check_out,
     llmplug_op,
     maybe_wrap,
     next_pow2,
@@ -308,7 +309,8 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, scale: float, sliding_window: int, softcap: float, num_splits: int,
                             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                             new_token: tuple | None = None,
-                            split_counters: torch.Tensor | None = None) -> torch.Tensor:
+                            split_counters: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """The decode attention kernels on validated inputs (see :func:`decode_attention`) -> ``(B, H, D)``.
 
     ``new_token = (k, v, cos, sin, slot_mapping)``: ``q`` and each sequence's newest key ``k, v: (B, Hkv, D)`` come
@@ -316,7 +318,8 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     attends over the ``seq_lens - 1`` keys already in the pages plus that one
     (:func:`llmplug.ops.rope_decode_attention.rope_decode_attention`). ``split_counters``: ``(>= B * Hkv,)`` int32
     zeros (left zeros) through which the last split of each kv head to finish finds out and combines the splits
-    itself, instead of a second kernel.
+    itself, instead of a second kernel. ``out``: ``(B, H, D)`` to write into (unit stride on the last dim), else a new
+    tensor.
     """
     assert q.stride(-1) == 1, "q needs unit stride on the last dim"
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
@@ -324,7 +327,7 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     bsz, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    out = q.new_empty((bsz, num_heads, head_dim))
+    out = q.new_empty((bsz, num_heads, head_dim)) if out is None else out
     if bsz == 0:
         return out
 
@@ -404,6 +407,35 @@ def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softca
     return q.new_empty(q.shape)
 
 
+@llmplug_op("decode_attention_out", mutates_args=("out",))
+def _decode_attention_out_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    num_splits: int,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    if not use_triton(q):
+        out.copy_(decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
+                                       k_scale, v_scale))
+        return
+    launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits,
+                            k_scale, v_scale, out=out)
+
+
+@_decode_attention_out_op.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits, out, k_scale=None,
+      v_scale=None):
+    return None
+
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -454,6 +486,7 @@ def decode_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     _num_splits: int = 0,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache.
@@ -474,10 +507,12 @@ def decode_attention(
             means none.
         k_scale, v_scale: ``(num_blocks, Hkv, P)`` fp32 scales of an fp8/int8 cache (the pages read as
             ``value * scale``, :mod:`llmplug.ops.kv_quant`); None for a cache in ``q.dtype``.
+        out: ``(B, H, D)`` in ``q.dtype`` to write the result into (e.g. rows of a larger buffer; unit stride on the
+            last dim); None returns a new tensor.
         _num_splits: private override of the flash-decoding split count (tests); 0 picks it from shapes.
 
     Returns:
-        ``(B, H, D)`` contiguous in ``q.dtype``.
+        ``(B, H, D)`` in ``q.dtype``: ``out``, or a new contiguous tensor.
     """
     sliding_window, softcap = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, softcap,
                                                   k_scale, v_scale, _num_splits)
@@ -485,6 +520,11 @@ def decode_attention(
         q = q.contiguous()
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
+    if out is not None:
+        check_out(out, q)
+        call_op(_decode_attention_out_op, q, k_cache, v_cache, block_tables, seq_lens, float(scale), sliding_window,
+                softcap, int(_num_splits), out, k_scale, v_scale)
+        return out
     return call_op(
         _decode_attention_op,
         q,

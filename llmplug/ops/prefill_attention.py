@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
+from ._triton import call_op, check_out, llmplug_op, maybe_wrap, next_pow2, round_rne, tl, triton, use_triton
 from .kv_quant import check_scales, is_quantized, read_pages_ref
 
 MAX_HEAD_DIM = 256
@@ -318,32 +318,15 @@ def _launch_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int
     return 64, 32, 8, 2
 
 
-@llmplug_op("prefill_attention")
-def _prefill_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_seqlen_q: int,
-    scale: float,
-    sliding_window: int,
-    softcap: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    if not use_triton(q):
-        return prefill_attention_ref(
-            q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale,
-            sliding_window, softcap, k_scale, v_scale,
-        )  # fmt: skip
+def launch_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q: int,
+                             scale: float, sliding_window: int, softcap: float, k_scale=None, v_scale=None,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel on validated inputs (see :func:`prefill_attention`) -> ``(T, H, D)``: ``out`` (unit stride on the
+    last dim) or a new tensor."""
     t, h, d = q.shape
     hkv, page = k.shape[1], k_cache.shape[1]
     batch = context_lens.shape[0]
-    out = q.new_empty((t, h, d))
+    out = q.new_empty((t, h, d)) if out is None else out
     if t == 0 or batch == 0 or max_seqlen_q <= 0:
         return out
     block_m, block_n, num_warps, num_stages = _launch_config(d, q.dtype, q.device.type == "cuda")
@@ -369,10 +352,64 @@ def _prefill_attention_op(
     return out
 
 
+@llmplug_op("prefill_attention")
+def _prefill_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    args = (q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, sliding_window,
+            softcap, k_scale, v_scale)
+    return launch_prefill_attention(*args) if use_triton(q) else prefill_attention_ref(*args)
+
+
 @_prefill_attention_op.register_fake
 def _(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, sliding_window, softcap,
       k_scale=None, v_scale=None):
     return q.new_empty(q.shape)
+
+
+@llmplug_op("prefill_attention_out", mutates_args=("out",))
+def _prefill_attention_out_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    args = (q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, sliding_window,
+            softcap, k_scale, v_scale)
+    if use_triton(q):
+        launch_prefill_attention(*args, out=out)
+    else:
+        out.copy_(prefill_attention_ref(*args))
+
+
+@_prefill_attention_out_op.register_fake
+def _(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, sliding_window, softcap,
+      out, k_scale=None, v_scale=None):
+    return None
 
 
 def _check_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sliding_window, softcap,
@@ -440,6 +477,7 @@ def prefill_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequence's paged cached context plus the new tokens.
 
@@ -464,16 +502,20 @@ def prefill_attention(
         softcap: 0 for none; else scores become ``softcap * tanh(scores / softcap)`` (after scaling, before masking).
         k_scale, v_scale: ``(num_blocks, Hkv, P)`` fp32 scales of an fp8/int8 cache (cached tokens read as
             ``value * scale``, :mod:`llmplug.ops.kv_quant`); None for a cache in ``q.dtype``.
+        out: ``(T, H, D)`` in ``q.dtype`` to write the result into (e.g. rows of a larger buffer; unit stride on the
+            last dim); None returns a new tensor.
 
     Returns:
-        ``(T, H, D)`` contiguous, in ``q.dtype`` (accumulated in fp32).
+        ``(T, H, D)`` in ``q.dtype`` (accumulated in fp32): ``out``, or a new contiguous tensor.
     """
     _check_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sliding_window, softcap,
                   k_scale, v_scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale={scale} must be finite")
-    return call_op(
-        _prefill_attention_op,
-        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, int(max_seqlen_q), float(scale),
-        int(sliding_window), float(softcap), k_scale, v_scale,
-    )  # fmt: skip
+    args = (q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, int(max_seqlen_q), float(scale),
+            int(sliding_window), float(softcap))
+    if out is None:
+        return call_op(_prefill_attention_op, *args, k_scale, v_scale)
+    check_out(out, q)
+    call_op(_prefill_attention_out_op, *args, out, k_scale, v_scale)
+    return out

@@ -245,13 +245,14 @@ class FusedDecoder:
         return self.head(hidden, residual, logits_indices)
 
     def attention(self, runner, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:
+                  sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``i``'s paged attention of the step ``runner.meta`` describes: ``q (T, H, D)``, ``k, v (T, Hkv, D)``
-        before RoPE (``cos, sin (T, R)``; ``q, k`` may be rotated in place) -> ``(T, H, D)``."""
+        before RoPE (``cos, sin (T, R)``; ``q, k`` may be rotated in place) -> ``(T, H, D)``, written into ``out``
+        where given."""
         lay, cache = self.layers[i], runner.cache
         k_cache, v_cache, k_scale, v_scale = cache.layer(i)
         return rope_paged_attention(q, k, v, cos, sin, k_cache, v_cache, runner.meta, lay.scale, lay.window,
-                                    lay.softcap, k_scale, v_scale, cache.split_counters)
+                                    lay.softcap, k_scale, v_scale, cache.split_counters, out=out)
 
     def body(self, runner, input_ids: torch.Tensor, positions: torch.Tensor,
              attend: Attend | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from ..kv.swap import SwapSpace
 from ..state import ensure_state
@@ -435,8 +436,8 @@ class Engine(ServingMixin, RankZeroMixin):
                              request.arrival_time, min(firsts) if firsts else None, request.finish_time,
                              request.error)
 
-    def warmup(self) -> None:
-        """Pay one-time costs now, not mid-serving (CUDA only; once per engine).
+    def warmup(self, progress: bool = True) -> None:
+        """Pay one-time costs now, not mid-serving (CUDA only; once per engine), with a progress bar of its phases.
 
         Captures the decode graph (capturing an EAGLE-3 head's layer inputs when ``EngineConfig.speculative`` drafts
         with one; the draft model's too when it drafts with a draft model) and the greedy ring's of every batch size
@@ -448,16 +449,31 @@ class Engine(ServingMixin, RankZeroMixin):
         if self._warmed or self.runner.device.type != "cuda":
             return
         self._warmed = True
-        spec = self.config.speculative
+        spec, config, runner = self.config.speculative, self.config, self.runner
+        phases = [("decode graphs", lambda: runner.capture_decode_graphs(config.max_num_seqs,
+                                                                          greedy=config.greedy_ring >= 2)),
+                  ("attention variants", runner.compile_attention_variants),
+                  ("piecewise graphs", lambda: runner.capture_piecewise(config.max_num_batched_tokens)),
+                  ("warm-up prompts", self._serve_throwaway_prompts)]
         if spec is not None and spec.method == "eagle3":  # its steps capture layer inputs: graphs of their own
-            self.speculation.drafter(spec).capture()
-        self.runner.capture_decode_graphs(self.config.max_num_seqs, greedy=self.config.greedy_ring >= 2)
-        self.runner.compile_attention_variants()
-        self.runner.capture_piecewise(self.config.max_num_batched_tokens)
+            phases.insert(0, ("EAGLE-3 graphs", self.speculation.drafter(spec).capture))
         if spec is not None and spec.method == "draft":  # the draft model's decode graphs too
-            drafter = self.speculation.drafter(spec)
-            with drafter.state.step_lock:
-                drafter.runner.capture_decode_graphs(self.config.max_num_seqs)
+            phases.insert(3, ("draft model graphs", self._capture_draft_graphs))
+        with tqdm(total=len(phases), desc="llmplug warm-up", unit="phase", disable=not progress) as bar:
+            for name, run in phases:
+                bar.set_postfix_str(name)
+                run()
+                bar.update(1)
+        self.blocks.reset_cache()
+        self.reset_stats()
+
+    def _capture_draft_graphs(self) -> None:
+        drafter = self.speculation.drafter(self.config.speculative)
+        with drafter.state.step_lock:
+            drafter.runner.capture_decode_graphs(self.config.max_num_seqs)
+
+    def _serve_throwaway_prompts(self) -> None:
+        """Random prompts of lengths from 1 to the step budget, 4 tokens each: the kernels' variants of mixed steps."""
         g = torch.Generator().manual_seed(0)
         longest = min(self.config.max_num_batched_tokens, self.runner.max_model_len - 4,
                       self.blocks.num_total * self.block_size // 8)
@@ -465,8 +481,6 @@ class Engine(ServingMixin, RankZeroMixin):
         lengths += torch.randint(1, max(2, longest // 4), (48,), generator=g).tolist()
         prompts = [torch.randint(0, self.vocab_size, (n,), generator=g).tolist() for n in lengths if n <= longest]
         self.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), progress=False)
-        self.blocks.reset_cache()
-        self.reset_stats()
 
     def reset_stats(self) -> None:
         """Start every counter of :meth:`stats` afresh (latencies, throughput, preemptions, prefix hits)."""

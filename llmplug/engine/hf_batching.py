@@ -131,11 +131,11 @@ class ContinuousBatchingManager:
         self._stopper: threading.Thread | None = None
 
     # ---- control flow ------------------------------------------------------------------------------------------
-    def warmup(self) -> None:
+    def warmup(self, progress: bool = False) -> None:
         """Capture the engine's decode CUDA graphs now (skipped while its loop runs: they are captured on use)."""
         with _lock:
             if not self._engine.is_running():
-                self._engine.warmup()
+                self._engine.warmup(progress=progress)
         self.warmed_up = True
 
     def is_running(self) -> bool:
@@ -431,7 +431,7 @@ def generate_batch(model, inputs: list[list[int]], generation_config: Generation
     ids: list[str] = []
     done = False
     if warmup:
-        manager.warmup()
+        manager.warmup(progress=progress_bar)
     manager.start()
     try:
         with tqdm(total=total, disable=not progress_bar, desc=f"Solving {total} requests", unit="request") as bar:

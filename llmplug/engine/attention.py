@@ -7,6 +7,8 @@ included).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AttentionInterface
 
@@ -101,10 +103,12 @@ def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     """``AttentionInterface`` entry: ``query (1, H, T, D)``, ``key/value (1, Hkv, T, D)`` -> ``((1, T, H, D), None)``.
 
     The runtime (pages, step metadata) hangs off the attention module; the mask is unused (positions and
-    sequence boundaries come from the metadata).
+    sequence boundaries come from the metadata). While the runtime's ``attend_hook`` is set (piecewise graphs being
+    captured, :mod:`llmplug.engine.piecewise`), the layer's ``q, k, v`` and settings go to it instead.
     """
     runtime = getattr(module, RUNTIME_ATTR, None)
-    if runtime is None or runtime.meta is None:
+    hook = getattr(runtime, "attend_hook", None)
+    if runtime is None or (runtime.meta is None and hook is None):
         raise RuntimeError(
             f"attention implementation {ATTENTION_NAME!r} runs only inside llmplug's generate; "
             "this module was not optimized by llmplug or is being called outside a llmplug step"
@@ -112,11 +116,19 @@ def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if query.shape[0] != 1:
         raise RuntimeError(f"llmplug packs tokens into batch 1, got query batch {query.shape[0]}")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    k_cache, v_cache, k_scale, v_scale = runtime.cache.layer(module.layer_idx)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = paged_attention(q, k, v, k_cache, v_cache, runtime.meta, scale, sliding_window, softcap, k_scale=k_scale,
-                          v_scale=v_scale)
+    out = (hook or functools.partial(layer_attention, runtime))(module.layer_idx, q, k, v, scale, sliding_window,
+                                                                   softcap)
     return out.unsqueeze(0), None
+
+
+def layer_attention(runtime, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    sliding_window: int | None, softcap: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`paged_attention` of layer ``layer``'s ``q (T, H, D)``, ``k, v (T, Hkv, D)`` (after RoPE) on the pages
+    and step metadata of ``runtime`` (the model's runner) -> ``(T, H, D)``, written into ``out`` where given."""
+    k_cache, v_cache, k_scale, v_scale = runtime.cache.layer(layer)
+    return paged_attention(q, k, v, k_cache, v_cache, runtime.meta, scale, sliding_window, softcap, k_scale=k_scale,
+                           v_scale=v_scale, out=out)
 
 
 AttentionInterface.register(ATTENTION_NAME, hf_paged_attention)

@@ -31,6 +31,7 @@ from .sampler import sample
 from .scheduler import Scheduler, StepPlan
 from .serving import Prompt, ServingMixin
 from .step import StepContext, build_step, to_device
+from .warmup import compile_attention_variants
 
 _PLACEHOLDER = -1  # a sampled token the host has not seen yet
 
@@ -452,7 +453,7 @@ class Engine(ServingMixin, RankZeroMixin):
         spec, config, runner = self.config.speculative, self.config, self.runner
         phases = [("decode graphs", lambda: runner.capture_decode_graphs(config.max_num_seqs,
                                                                           greedy=config.greedy_ring >= 2)),
-                  ("attention variants", runner.compile_attention_variants),
+                  ("attention variants", lambda: compile_attention_variants(runner)),
                   ("piecewise graphs", lambda: runner.capture_piecewise(config.max_num_batched_tokens)),
                   ("warm-up prompts", self._serve_throwaway_prompts)]
         if spec is not None and spec.method == "eagle3":  # its steps capture layer inputs: graphs of their own

@@ -17,13 +17,13 @@ import torch
 
 from ..config import OptimizeConfig
 from ..kv.cache import PagedKVCache, kv_storage_dtype
-from ..ops._paged_decode import MAX_SPLITS
 from ..ops._triton import programmatic_launch
 from ..ops.greedy_step import advance_step, greedy_step
 from ..parallel.group import TPGroup
 from ..parallel.shard import head_split
 from ..spec.rejection import greedy_accept
 from .attention import ATTENTION_NAME
+from .hf_layers import HFLayers
 from .metadata import AttentionMetadata
 from .piecewise import PiecewiseGraphs
 from .step import StepContext, uniform_metadata
@@ -95,11 +95,13 @@ class ModelRunner:
         self.rope_by_position = kinds <= POSITION_ONLY_ROPE
         self._graphs_allowed = (config.cuda_graphs and self.device.type == "cuda"
                                 and not kinds & {"dynamic", "longrope"})
-        # packed steps of a fused family as pieces captured per token bucket (not under TP: its all-reduces alternate
-        # buffers in an order each capture fixes)
+        # packed steps as pieces captured per token bucket (not under TP yet: untested there)
+        self.attend_hook = None  # while the HF path's pieces are captured: where each layer's attention goes
         self.piecewise = None
-        if self._graphs_allowed and tp is None and hasattr(forward_fn, "body") and config.piecewise_tokens:
-            self.piecewise = PiecewiseGraphs(self, forward_fn, config.piecewise_tokens)
+        if self._graphs_allowed and tp is None and config.piecewise_tokens:
+            layers = HFLayers(model) if forward_fn is hf_forward else forward_fn
+            if hasattr(layers, "body"):
+                self.piecewise = PiecewiseGraphs(self, layers, config.piecewise_tokens)
 
     # ---- KV pool -------------------------------------------------------------------------------------------
     @property
@@ -242,28 +244,6 @@ class ModelRunner:
         """Capture the piecewise graphs of every token bucket a packed step of up to ``max_tokens`` tokens uses (a
         fused family on CUDA, graphs on, no tensor parallelism; else none); returns the captured buckets."""
         return [] if self.piecewise is None else self.piecewise.capture(max_tokens)
-
-    @torch.inference_mode()
-    def compile_attention_variants(self) -> None:
-        """Compile now the decode attention kernel of every split count a packed step may pick (a kernel constant:
-        each new one compiled mid-serving for ~0.6 s on an H100, BENCHMARKS.md "Triton compiles while serving"): a
-        3-token step a power-of-two count and page-table width (Triton specialises the table's row stride on
-        divisibility by 16), of a decode row and a 2-token prefill row that read page 0 and store nothing. CUDA only.
-        """
-        if self.device.type != "cuda":
-            return
-        dev = self.device
-        context = torch.tensor([1, 0], dtype=torch.int32, device=dev)
-        cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=dev)
-        slots = torch.full((3,), -1, dtype=torch.long, device=dev)
-        positions = torch.tensor([1, 0, 1], device=dev)
-        for width in (17, 32):
-            tables = torch.zeros(2, width, dtype=torch.int32, device=dev)
-            for splits in (1 << i for i in range(MAX_SPLITS.bit_length())):
-                meta = AttentionMetadata(query_len=0, slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu,
-                                         context_lens=context, max_seqlen_q=2, seq_lens=context[:1] + 1,
-                                         num_decodes=1, num_splits=splits)
-                self._forward(torch.zeros(3, dtype=torch.long, device=dev), positions, meta, cu[1:] - 1)
 
     def graph_bucket(self, batch: int) -> int | None:
         """The captured batch size a uniform step of ``batch`` rows runs in, or None (eager)."""

@@ -9,6 +9,7 @@ import torch
 
 import llmplug
 from llmplug import Engine, EngineConfig, SamplingParams
+from llmplug.engine.hf_layers import HFLayers
 from llmplug.engine.sequences import SequenceBatch
 from llmplug.engine.step import build_step
 from llmplug.ops._triton import cpu_kernels
@@ -16,13 +17,14 @@ from llmplug.state import state_of
 from tests.tiny_models import make_model, pad, prompts
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt2", "olmo2"])
 def test_body_with_staged_attention_equals_the_forward(family):
-    """The decoder's body with every layer's attention inputs copied out and its output read from another buffer (as
-    the pieces do) gives the forward's logits."""
+    """The layers' body with every layer's attention inputs copied out and its output written into another buffer (as
+    the pieces do), then the head, give the forward's logits: the fused families' decoder and any other model's
+    :class:`HFLayers`."""
     model = llmplug.optimize(make_model(family))
     runner = state_of(model).runner
-    decoder = runner.forward_fn
+    decoder = runner.forward_fn if hasattr(runner.forward_fn, "body") else HFLayers(model)
     ids, mask = pad(prompts(3, lengths=(5, 17, 9)))
     batch = SequenceBatch(runner, ids, mask, max_length=40, prefix_cache=False)
     try:
@@ -31,9 +33,11 @@ def test_body_with_staged_attention_equals_the_forward(family):
         with cpu_kernels(False):
             want = runner._forward(ctx.input_ids, ctx.positions, ctx.meta, ctx.logits_indices)
 
-            def staged(i, q, k, v, cos, sin):
+            def staged(i, q, k, v, *rest):
                 q, k, v = q.clone(), k.clone(), v.clone()
-                return decoder.attention(runner, i, q, k, v, cos, sin).clone()
+                out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+                assert decoder.attention(runner, i, q, k, v, *rest, out=out) is out
+                return out
 
             runner.meta = ctx.meta
             try:
@@ -46,8 +50,16 @@ def test_body_with_staged_attention_equals_the_forward(family):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("family, split", [("gpt2", True), ("olmo2", True), ("granite", False)])
+def test_hf_layers_are_kept_only_where_they_match_the_forward(family, split):
+    """Granite divides its logits by a scale after the lm_head: its split would be wrong, and the check finds it."""
+    model = llmplug.optimize(make_model(family))
+    with cpu_kernels(False):
+        assert HFLayers(model).matches_forward(state_of(model).runner) is split
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt2", "olmo2"])
 def test_piecewise_step_equals_the_eager_step_cuda(family):
     """A packed step of a decode row and two prefill rows (27 tokens) replays the 32-token bucket's pieces; its logits
     equal the eager step's; twice in a row (pads keep stale values) the same."""
@@ -75,11 +87,12 @@ def test_piecewise_step_equals_the_eager_step_cuda(family):
 
 
 @pytest.mark.gpu
-def test_engine_through_pieces_equals_stock_fp32_cuda():
+@pytest.mark.parametrize("family", ["llama", "olmo2"])
+def test_engine_through_pieces_equals_stock_fp32_cuda(family):
     """An Engine whose packed steps replay pieces (budget 48 tokens: prefill chunks mixed with decodes) gives stock HF's
-    greedy tokens, and the pieces ran."""
+    greedy tokens, and the pieces ran: a fused family and one through HF's forward."""
     torch.manual_seed(0)
-    stock = make_model("llama").cuda()
+    stock = make_model(family).cuda()
     stock.generation_config.eos_token_id = None
     fast = copy.deepcopy(stock)
     llmplug.optimize(fast, kv_num_blocks=64, kv_block_size=8, graph_batch_sizes=(1, 2, 4, 8),

@@ -1,0 +1,63 @@
+"""Any decoder-only HF causal LM split as the piecewise graphs need it (:mod:`llmplug.engine.piecewise`): ``body`` its
+decoder stack, each layer's attention through a hook; ``head`` its lm_head on the rows that want logits.
+
+Some causal LMs do more after the lm_head than the lm_head (Granite divides the logits by a scale, Gemma 2 soft-caps
+them); :meth:`HFLayers.matches_forward` runs one step both ways and keeps the split only where its logits equal the
+model's own forward bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import layer_attention
+from .metadata import AttentionMetadata
+
+
+class HFLayers:
+    """The decoder stack (``model.get_decoder()``) and the lm_head of ``model``, a causal LM llmplug's runner drives
+    through HF's own forward (:func:`~llmplug.engine.runner.hf_forward`)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.base = model, model.get_decoder()
+
+    def body(self, runner, input_ids: torch.Tensor, positions: torch.Tensor,
+             attend=None) -> tuple[torch.Tensor, None]:
+        """``input_ids, positions (T,)`` -> ``(hidden (T, E), None)``: the stack's output, final norm included.
+        ``attend(layer, q, k, v, scale, sliding_window, softcap) -> o`` stands in for :meth:`attention` where given."""
+        runner.attend_hook = attend
+        try:
+            with runner.llmplug_attention():
+                out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        finally:
+            runner.attend_hook = None
+        return out.last_hidden_state[0], None
+
+    def attention(self, runner, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  sliding_window: int | None, softcap: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer ``i``'s paged attention of the step ``runner.meta`` describes (``q, k, v`` after RoPE)."""
+        return layer_attention(runner, i, q, k, v, scale, sliding_window, softcap, out=out)
+
+    def head(self, hidden: torch.Tensor, residual: None, logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """The lm_head on rows ``logits_indices`` (all if None) of :meth:`body`'s ``hidden`` -> logits ``(R, V)``."""
+        return self.model.get_output_embeddings()(hidden if logits_indices is None else hidden[logits_indices])
+
+    @torch.inference_mode()
+    def matches_forward(self, runner) -> bool:
+        """Whether ``head(body(...))`` gives the model's own forward's logits, bit for bit, on a 5-token prompt (a
+        step that stores nothing)."""
+        dev, n = runner.device, 5
+        meta = AttentionMetadata(query_len=0, slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
+                                 block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
+                                 cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
+                                 context_lens=torch.zeros(1, dtype=torch.int32, device=dev), max_seqlen_q=n)
+        ids = torch.arange(3, 3 + n, device=dev) % runner.model.config.get_text_config().vocab_size
+        positions, rows = torch.arange(n, device=dev), torch.tensor([2, n - 1], device=dev)
+        want = runner._forward(ids, positions, meta, rows)
+        runner.ensure_cache()
+        runner.meta = meta
+        try:
+            got = self.head(*self.body(runner, ids, positions), rows)
+        finally:
+            runner.meta = None
+        return got.shape == want.shape and torch.equal(got, want)

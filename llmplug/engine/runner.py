@@ -95,10 +95,11 @@ class ModelRunner:
         self.rope_by_position = kinds <= POSITION_ONLY_ROPE
         self._graphs_allowed = (config.cuda_graphs and self.device.type == "cuda"
                                 and not kinds & {"dynamic", "longrope"})
-        # packed steps as pieces captured per token bucket (not under TP yet: untested there)
+        # packed steps as pieces captured per token bucket; under TP each piece keeps its all-reduces' captured order,
+        # and every forward opens with the NCCL fence (llmplug.parallel.one_shot), as the decode graphs do
         self.attend_hook = None  # while the HF path's pieces are captured: where each layer's attention goes
         self.piecewise = None
-        if self._graphs_allowed and tp is None and config.piecewise_tokens:
+        if self._graphs_allowed and config.piecewise_tokens:
             layers = HFLayers(model) if forward_fn is hf_forward else forward_fn
             if hasattr(layers, "body"):
                 self.piecewise = PiecewiseGraphs(self, layers, config.piecewise_tokens)

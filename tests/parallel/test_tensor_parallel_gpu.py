@@ -21,6 +21,9 @@ def _inputs():
     return dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False)
 
 
+_ENGINE = llmplug.EngineConfig(max_num_batched_tokens=16, max_num_seqs=4)
+
+
 def _first(inputs: dict) -> dict:
     """The first prompt of the batch alone."""
     return {k: v[:1] if torch.is_tensor(v) else v for k, v in inputs.items()}
@@ -30,9 +33,11 @@ def _on_ranks(rank: int, allreduce: str) -> dict:
     import os
 
     os.environ["LLMPLUG_TP_ALLREDUCE"] = allreduce
-    model = llmplug.optimize(_model(), tensor_parallel="auto", graph_batch_sizes=(1, 4))
+    model = llmplug.optimize(_model(), tensor_parallel="auto", graph_batch_sizes=(1, 4), piecewise_tokens=(8, 32))
     out = {"batch": model.generate(**_inputs()).cpu(), "one": model.generate(**_first(_inputs())).cpu()}
-    engine = llmplug.Engine(model)
+    engine = llmplug.Engine(model, _ENGINE)
+    engine.warmup(progress=False)  # every rank alike: the decode graphs, and the pieces of packed steps
+    out["pieces"] = llmplug.state.state_of(model).runner.piecewise.bucket(20)
     rows = [[t for t in r if t] for r in _inputs()["input_ids"].tolist()]
     if rank == 0:
         done = engine.generate(rows, llmplug.SamplingParams(max_new_tokens=24, temperature=0.0), progress=False)
@@ -47,16 +52,23 @@ def _on_ranks(rank: int, allreduce: str) -> dict:
 
 @pytest.mark.parametrize("allreduce", ["nccl", "one_shot"])
 def test_two_gpus_equal_one(allreduce):
+    """generate, and an Engine whose packed steps (a 16-token budget: prompt chunks beside decodes) replay pieces with
+    the collectives inside, give one GPU's tokens."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     results = run_ranks(2, _on_ranks, allreduce, backend="nccl")
-    solo = llmplug.optimize(_model(), graph_batch_sizes=(1, 4))
+    solo = llmplug.optimize(_model(), graph_batch_sizes=(1, 4), piecewise_tokens=(8, 32))
     expected = solo.generate(**_inputs()).cpu()
     one = solo.generate(**_first(_inputs())).cpu()
+    engine = llmplug.Engine(solo, _ENGINE)
+    engine.warmup(progress=False)
+    rows = [[t for t in r if t] for r in _inputs()["input_ids"].tolist()]
+    alone = engine.generate(rows, llmplug.SamplingParams(max_new_tokens=24, temperature=0.0), progress=False)
     for got in results:
         assert torch.equal(got["batch"], expected) and torch.equal(got["one"], one)
         assert got["graphs"] > 0  # the steps replayed CUDA graphs with the collectives inside
-        assert got["engine"] == results[0]["engine"]
+        assert got["pieces"] == 32
+        assert got["engine"] == [o.outputs[0].token_ids for o in alone]
 
 
 def _reduce_on_ranks(rank: int, sizes: tuple[int, ...], dtype: torch.dtype) -> dict:

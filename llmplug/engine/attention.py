@@ -97,6 +97,7 @@ def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
                            k_scale=k_scale, v_scale=v_scale, out=out)
 
 
+@torch.compiler.disable  # it reads the step's metadata when it runs: a compiled stack breaks its graph here
 def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                        sliding_window: int | None = None, softcap: float | None = None, **kwargs):

@@ -4,9 +4,15 @@ decoder stack, each layer's attention through a hook; ``head`` its lm_head on th
 Some causal LMs do more after the lm_head than the lm_head (Granite divides the logits by a scale, Gemma 2 soft-caps
 them); :meth:`HFLayers.matches_forward` runs one step both ways and keeps the split only where its logits equal the
 model's own forward bit for bit.
+
+In the pieces the stack runs through ``torch.compile(backend="llmplug")``: Inductor with llmplug's passes compiles the
+code between two attention calls (the attention breaks the graph), once per token bucket at warm-up (automatic dynamic
+shapes after the first), and the pieces capture what it compiled. A stack Dynamo cannot compile runs as it is.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -18,20 +24,32 @@ class HFLayers:
     """The decoder stack (``model.get_decoder()``) and the lm_head of ``model``, a causal LM llmplug's runner drives
     through HF's own forward (:func:`~llmplug.engine.runner.hf_forward`)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, compile: bool = True) -> None:
         self.model, self.base = model, model.get_decoder()
+        self.stack = torch.compile(self.base, backend="llmplug") if compile else self.base  # what the pieces run
 
     def body(self, runner, input_ids: torch.Tensor, positions: torch.Tensor,
              attend=None) -> tuple[torch.Tensor, None]:
         """``input_ids, positions (T,)`` -> ``(hidden (T, E), None)``: the stack's output, final norm included.
-        ``attend(layer, q, k, v, scale, sliding_window, softcap) -> o`` stands in for :meth:`attention` where given."""
+        ``attend(layer, q, k, v, scale, sliding_window, softcap) -> o`` stands in for :meth:`attention` where given;
+        then (the pieces) the compiled stack runs."""
         runner.attend_hook = attend
         try:
             with runner.llmplug_attention():
-                out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+                return self._run(self.base if attend is None else self.stack, input_ids, positions), None
         finally:
             runner.attend_hook = None
-        return out.last_hidden_state[0], None
+
+    def _run(self, stack, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        try:
+            return stack(input_ids=input_ids[None], position_ids=positions[None], use_cache=False).last_hidden_state[0]
+        except Exception as error:  # noqa: BLE001 - Dynamo or Inductor cannot take this stack: run it as it is
+            if stack is self.base or torch.cuda.is_current_stream_capturing():
+                raise
+            warnings.warn(f"llmplug's piecewise graphs run this model's layers uncompiled: torch.compile failed "
+                          f"({type(error).__name__}: {error})", stacklevel=3)
+            self.stack = self.base
+            return self._run(self.base, input_ids, positions)
 
     def attention(self, runner, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   sliding_window: int | None, softcap: float | None, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,8 +6,10 @@ import copy
 
 import pytest
 import torch
+from torch._inductor import config as inductor_config
 
 import llmplug
+import llmplug.inductor
 from llmplug import Engine, EngineConfig, SamplingParams
 from llmplug.engine.hf_layers import HFLayers
 from llmplug.engine.sequences import SequenceBatch
@@ -24,7 +26,7 @@ def test_body_with_staged_attention_equals_the_forward(family):
     :class:`HFLayers`."""
     model = llmplug.optimize(make_model(family))
     runner = state_of(model).runner
-    decoder = runner.forward_fn if hasattr(runner.forward_fn, "body") else HFLayers(model)
+    decoder = runner.forward_fn if hasattr(runner.forward_fn, "body") else HFLayers(model, compile=False)
     ids, mask = pad(prompts(3, lengths=(5, 17, 9)))
     batch = SequenceBatch(runner, ids, mask, max_length=40, prefix_cache=False)
     try:
@@ -48,6 +50,38 @@ def test_body_with_staged_attention_equals_the_forward(family):
     finally:
         batch.release()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["olmo2", "gpt2"])
+def test_hf_layers_compiled_stack_matches_and_takes_the_passes(family, monkeypatch):
+    """In the pieces an HF-path stack runs through torch.compile(backend="llmplug"), the attention breaking its graph:
+    logits within the fp32 tolerance of the forward's, and llmplug's norm pass matched in OLMo 2's segments."""
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # every graph compiled (and counted) here
+    model = llmplug.optimize(make_model(family))
+    runner = state_of(model).runner
+    layers = HFLayers(model)
+    ids, mask = pad(prompts(2, lengths=(7, 12)))
+    batch = SequenceBatch(runner, ids, mask, max_length=40, prefix_cache=False)
+    torch._dynamo.reset()
+    llmplug.inductor.reset_report()
+    try:
+        batch._grow(range(2), [7, 12])
+        ctx = build_step(batch.seqs, [7, 12], batch.block_size, ids.device, block_tables=batch.block_table_dev)
+        with cpu_kernels(False), torch.inference_mode():
+            want = runner._forward(ctx.input_ids, ctx.positions, ctx.meta, ctx.logits_indices)
+            runner.meta = ctx.meta
+            try:
+                hidden, _ = layers.body(runner, ctx.input_ids, ctx.positions,
+                                        attend=lambda i, *a: layers.attention(runner, i, *a))
+                got = layers.head(hidden, None, ctx.logits_indices)
+            finally:
+                runner.meta = None
+    finally:
+        batch.release()
+    assert layers.stack is not layers.base  # compiled, not fallen back
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if family == "olmo2":
+        assert llmplug.inductor.report()["rms_norm"] > 0
 
 
 @pytest.mark.parametrize("family, split", [("gpt2", True), ("olmo2", True), ("granite", False)])

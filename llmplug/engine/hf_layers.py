@@ -25,8 +25,10 @@ class HFLayers:
     through HF's own forward (:func:`~llmplug.engine.runner.hf_forward`)."""
 
     def __init__(self, model: torch.nn.Module, compile: bool = True) -> None:
+        from ..inductor import llmplug_backend  # the callable: no reliance on the installed entry point
+
         self.model, self.base = model, model.get_decoder()
-        self.stack = torch.compile(self.base, backend="llmplug") if compile else self.base  # what the pieces run
+        self.stack = torch.compile(self.base, backend=llmplug_backend) if compile else self.base  # what the pieces run
 
     def body(self, runner, input_ids: torch.Tensor, positions: torch.Tensor,
              attend=None) -> tuple[torch.Tensor, None]:

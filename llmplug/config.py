@@ -30,8 +30,8 @@ class OptimizeConfig:
         graph_batch_sizes: batch-size buckets captured for decode; larger batches run eagerly.
         graph_prefill_tokens: token buckets captured for single-sequence prefill chunks; others run eagerly.
         piecewise_tokens: token buckets of the piecewise graphs (:mod:`llmplug.engine.piecewise`) that other packed
-            steps of a fused family replay, attention running between the pieces; captured by ``Engine.warmup`` up
-            to its step budget; ``()`` runs those steps eagerly.
+            steps replay, attention running between the pieces (CUDA, graphs on); captured by ``Engine.warmup`` up to
+            its step budget; ``()`` runs those steps eagerly.
         max_prefill_tokens: prompt tokens packed into one forward pass; longer prompts are chunked.
         max_model_len: longest sequence (prompt + new tokens); ``None`` takes the model config's
             ``max_position_embeddings``.

@@ -242,8 +242,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_piecewise(self, max_tokens: int) -> list[int]:
-        """Capture the piecewise graphs of every token bucket a packed step of up to ``max_tokens`` tokens uses (a
-        fused family on CUDA, graphs on, no tensor parallelism; else none); returns the captured buckets."""
+        """Capture the piecewise graphs of every token bucket a packed step of up to ``max_tokens`` tokens uses (CUDA,
+        graphs on; none where the model's layers cannot be split or captured); returns the captured buckets."""
         return [] if self.piecewise is None else self.piecewise.capture(max_tokens)
 
     def graph_bucket(self, batch: int) -> int | None:

@@ -46,7 +46,7 @@ class HFLayers:
         try:
             return stack(input_ids=input_ids[None], position_ids=positions[None], use_cache=False).last_hidden_state[0]
         except Exception as error:  # noqa: BLE001 - Dynamo or Inductor cannot take this stack: run it as it is
-            if stack is self.base or torch.cuda.is_current_stream_capturing():
+            if stack is self.base or (input_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
                 raise
             warnings.warn(f"llmplug's piecewise graphs run this model's layers uncompiled: torch.compile failed "
                           f"({type(error).__name__}: {error})", stacklevel=3)

@@ -12,6 +12,7 @@ import llmplug
 import llmplug.inductor
 from llmplug import Engine, EngineConfig, SamplingParams
 from llmplug.engine.hf_layers import HFLayers
+from llmplug.engine.metadata import AttentionMetadata
 from llmplug.engine.sequences import SequenceBatch
 from llmplug.engine.step import build_step
 from llmplug.ops._triton import cpu_kernels
@@ -82,6 +83,32 @@ def test_hf_layers_compiled_stack_matches_and_takes_the_passes(family, monkeypat
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if family == "olmo2":
         assert llmplug.inductor.report()["rms_norm"] > 0
+
+
+def test_hf_layers_run_uncompiled_where_compile_fails():
+    """A stack torch.compile cannot take warns and runs as it is, from then on."""
+    model = llmplug.optimize(make_model("gpt2"))
+    runner = state_of(model).runner
+    layers = HFLayers(model)
+
+    def broken(**kwargs):
+        raise RuntimeError("Dynamo says no")
+
+    layers.stack = broken
+    ids, positions = torch.arange(3, 9), torch.arange(6)
+    runner.ensure_cache()
+    runner.meta = AttentionMetadata(query_len=0, slot_mapping=torch.full((6,), -1), block_tables=torch.zeros(
+        1, 1, dtype=torch.int32), cu_seqlens_q=torch.tensor([0, 6], dtype=torch.int32), context_lens=torch.zeros(
+        1, dtype=torch.int32), max_seqlen_q=6)
+    try:
+        with cpu_kernels(False), torch.inference_mode():
+            want, _ = layers.body(runner, ids, positions)
+            with pytest.warns(UserWarning, match="Dynamo says no"):
+                got, _ = layers.body(runner, ids, positions, attend=lambda i, *a: layers.attention(runner, i, *a))
+    finally:
+        runner.meta = None
+    assert layers.stack is layers.base
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family, split", [("gpt2", True), ("olmo2", True), ("granite", False)])

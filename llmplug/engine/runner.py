@@ -100,7 +100,8 @@ class ModelRunner:
         self.attend_hook = None  # while the HF path's pieces are captured: where each layer's attention goes
         self.piecewise = None
         if self._graphs_allowed and config.piecewise_tokens:
-            layers = HFLayers(model) if forward_fn is hf_forward else forward_fn
+            # (uncompiled under TP: the one-shot all-reduce alternates its buffer slot in Python; Dynamo would fix it)
+            layers = HFLayers(model, compile=tp is None) if forward_fn is hf_forward else forward_fn
             if hasattr(layers, "body"):
                 self.piecewise = PiecewiseGraphs(self, layers, config.piecewise_tokens)
 

@@ -7,8 +7,6 @@ included).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from transformers import AttentionInterface
 
@@ -118,8 +116,10 @@ def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         raise RuntimeError(f"llmplug packs tokens into batch 1, got query batch {query.shape[0]}")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = (hook or functools.partial(layer_attention, runtime))(module.layer_idx, q, k, v, scale, sliding_window,
-                                                                   softcap)
+    if hook is not None:
+        out = hook(module.layer_idx, q, k, v, scale, sliding_window, softcap)
+    else:
+        out = layer_attention(runtime, module.layer_idx, q, k, v, scale, sliding_window, softcap)
     return out.unsqueeze(0), None
 
 

@@ -451,15 +451,17 @@ class Engine(ServingMixin, RankZeroMixin):
             return
         self._warmed = True
         spec, config, runner = self.config.speculative, self.config, self.runner
-        phases = [("decode graphs", lambda: runner.capture_decode_graphs(config.max_num_seqs,
-                                                                          greedy=config.greedy_ring >= 2)),
-                  ("attention variants", lambda: compile_attention_variants(runner)),
-                  ("piecewise graphs", lambda: runner.capture_piecewise(config.max_num_batched_tokens)),
-                  ("warm-up prompts", self._serve_throwaway_prompts)]
-        if spec is not None and spec.method == "eagle3":  # its steps capture layer inputs: graphs of their own
-            phases.insert(0, ("EAGLE-3 graphs", self.speculation.drafter(spec).capture))
-        if spec is not None and spec.method == "draft":  # the draft model's decode graphs too
-            phases.insert(3, ("draft model graphs", self._capture_draft_graphs))
+        method = spec.method if spec is not None else None
+        phases = []
+        if method == "eagle3":  # its steps capture layer inputs: graphs of their own
+            phases.append(("EAGLE-3 graphs", self.speculation.drafter(spec).capture))
+        phases += [("decode graphs", lambda: runner.capture_decode_graphs(config.max_num_seqs,
+                                                                           greedy=config.greedy_ring >= 2)),
+                   ("attention variants", lambda: compile_attention_variants(runner)),
+                   ("piecewise graphs", lambda: runner.capture_piecewise(config.max_num_batched_tokens))]
+        if method == "draft":  # the draft model's decode graphs too
+            phases.append(("draft model graphs", self._capture_draft_graphs))
+        phases.append(("warm-up prompts", self._serve_throwaway_prompts))
         with tqdm(total=len(phases), desc="llmplug warm-up", unit="phase", disable=not progress) as bar:
             for name, run in phases:
                 bar.set_postfix_str(name)

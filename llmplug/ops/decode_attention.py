@@ -380,35 +380,8 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-@llmplug_op("decode_attention")
+@llmplug_op("decode_attention", mutates_args=("out",))
 def _decode_attention_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int,
-    softcap: float,
-    num_splits: int,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    if not use_triton(q):
-        return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                                    k_scale, v_scale)
-    return launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                                   num_splits, k_scale, v_scale)
-
-
-@_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits, k_scale=None,
-      v_scale=None):
-    return q.new_empty(q.shape)
-
-
-@llmplug_op("decode_attention_out", mutates_args=("out",))
-def _decode_attention_out_op(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -430,7 +403,7 @@ def _decode_attention_out_op(
                             k_scale, v_scale, out=out)
 
 
-@_decode_attention_out_op.register_fake
+@_decode_attention_op.register_fake
 def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits, out, k_scale=None,
       v_scale=None):
     return None
@@ -520,22 +493,10 @@ def decode_attention(
         q = q.contiguous()
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
-    if out is not None:
+    if out is None:
+        out = q.new_empty(q.shape)
+    else:
         check_out(out, q)
-        call_op(_decode_attention_out_op, q, k_cache, v_cache, block_tables, seq_lens, float(scale), sliding_window,
-                softcap, int(_num_splits), out, k_scale, v_scale)
-        return out
-    return call_op(
-        _decode_attention_op,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        float(scale),
-        sliding_window,
-        softcap,
-        int(_num_splits),
-        k_scale,
-        v_scale,
-    )
+    call_op(_decode_attention_op, q, k_cache, v_cache, block_tables, seq_lens, float(scale), sliding_window, softcap,
+            int(_num_splits), out, k_scale, v_scale)
+    return out

@@ -165,9 +165,8 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g
 
 def _launch(x, weight, bias, gated, config, norm=None, fp32_out=False, stacked=()):
     """Launch the GEMV; ``norm = (residual, norm_weight, eps, offset, round_first, residual_out)`` adds the norm
-    prologue;
-    ``fp32_out``: the unrounded fp32 product; ``stacked``: one or two more weights whose rows follow ``weight``'s
-    (same K and row stride)."""
+    prologue; ``fp32_out``: the unrounded fp32 product; ``stacked``: one or two more weights whose rows follow
+    ``weight``'s (same K and row stride)."""
     block_n, block_k, num_warps, num_stages = config
     weights = (weight, *stacked)
     k = weight.shape[1]

@@ -318,17 +318,33 @@ def _launch_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int
     return 64, 32, 8, 2
 
 
-def launch_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q: int,
-                             scale: float, sliding_window: int, softcap: float, k_scale=None, v_scale=None,
-                             out: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel on validated inputs (see :func:`prefill_attention`) -> ``(T, H, D)``: ``out`` (unit stride on the
-    last dim) or a new tensor."""
+@llmplug_op("prefill_attention", mutates_args=("out",))
+def _prefill_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    if not use_triton(q):
+        out.copy_(prefill_attention_ref(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                        max_seqlen_q, scale, sliding_window, softcap, k_scale, v_scale))
+        return
     t, h, d = q.shape
     hkv, page = k.shape[1], k_cache.shape[1]
     batch = context_lens.shape[0]
-    out = q.new_empty((t, h, d)) if out is None else out
     if t == 0 or batch == 0 or max_seqlen_q <= 0:
-        return out
+        return
     block_m, block_n, num_warps, num_stages = _launch_config(d, q.dtype, q.device.type == "cuda")
     grid = (h, triton.cdiv(max_seqlen_q, block_m), batch)
     quant = k_scale is not None
@@ -349,64 +365,9 @@ def launch_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cu_seqlens
         UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return out
-
-
-@llmplug_op("prefill_attention")
-def _prefill_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_seqlen_q: int,
-    scale: float,
-    sliding_window: int,
-    softcap: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    args = (q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, sliding_window,
-            softcap, k_scale, v_scale)
-    return launch_prefill_attention(*args) if use_triton(q) else prefill_attention_ref(*args)
 
 
 @_prefill_attention_op.register_fake
-def _(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, sliding_window, softcap,
-      k_scale=None, v_scale=None):
-    return q.new_empty(q.shape)
-
-
-@llmplug_op("prefill_attention_out", mutates_args=("out",))
-def _prefill_attention_out_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_seqlen_q: int,
-    scale: float,
-    sliding_window: int,
-    softcap: float,
-    out: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    args = (q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, sliding_window,
-            softcap, k_scale, v_scale)
-    if use_triton(q):
-        launch_prefill_attention(*args, out=out)
-    else:
-        out.copy_(prefill_attention_ref(*args))
-
-
-@_prefill_attention_out_op.register_fake
 def _(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, sliding_window, softcap,
       out, k_scale=None, v_scale=None):
     return None
@@ -512,10 +473,10 @@ def prefill_attention(
                   k_scale, v_scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale={scale} must be finite")
-    args = (q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, int(max_seqlen_q), float(scale),
-            int(sliding_window), float(softcap))
     if out is None:
-        return call_op(_prefill_attention_op, *args, k_scale, v_scale)
-    check_out(out, q)
-    call_op(_prefill_attention_out_op, *args, out, k_scale, v_scale)
+        out = q.new_empty(q.shape)
+    else:
+        check_out(out, q)
+    call_op(_prefill_attention_op, q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+            int(max_seqlen_q), float(scale), int(sliding_window), float(softcap), out, k_scale, v_scale)
     return out

@@ -260,6 +260,7 @@ class FusedDecoder:
         the final norm takes (:meth:`head`). ``attend(i, q, k, v, cos, sin) -> o`` stands in for :meth:`attention`
         where given (:mod:`llmplug.engine.piecewise` runs the layers as CUDA graphs with attention between them)."""
         spec, aux_layers, aux = self.spec, runner.aux_layers, {}
+        attend = attend or functools.partial(self.attention, runner)
         hidden = self.base.embed_tokens(input_ids)
         rope = self._rotary(hidden, positions, runner)
         t, d = input_ids.shape[0], self.head_dim
@@ -278,7 +279,7 @@ class FusedDecoder:
             if hasattr(attn, "q_norm"):
                 q, k = self._norm(q, attn.q_norm), self._norm(k, attn.k_norm)
             cos, sin = rope[lay.rope_key]
-            o = (attend or functools.partial(self.attention, runner))(i, q, k, v, cos, sin)
+            o = attend(i, q, k, v, cos, sin)
             if spec.sandwich_norms:  # the norm after each sublayer comes before the residual add
                 hidden = self._norm(lay.o.matmul(o.view(t, -1)), layer.post_attention_layernorm)
                 gated, residual = self._add_norm_matmul(lay.gate_up, None, hidden, residual,

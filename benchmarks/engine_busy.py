@@ -1,5 +1,5 @@
 """Where an Engine run's time goes: wall against GPU busy time (union of kernel intervals), kernel time by kind, and
-the host time of each runner path (graph replays, piecewise graphs, eager forwards).
+the host time of each runner path (graph replays, packed-step graphs, eager forwards).
 
 Usage: python benchmarks/engine_busy.py [MODEL [SCALE [WORKLOADS]]]   e.g. llama-1b 1.0 a,b,c
 Each workload runs twice after the throughput benchmark's warm-up: unprofiled (wall, % of floor), then under the
@@ -23,7 +23,7 @@ import llmplug  # noqa: E402
 from llmplug.bench import shapes, timing, workloads  # noqa: E402
 from llmplug.bench.throughput import _drop, run_offline, warm_up  # noqa: E402
 from llmplug.bench.workloads import ModelCost  # noqa: E402
-from llmplug.engine import piecewise, runner  # noqa: E402
+from llmplug.engine import packed_graphs, runner  # noqa: E402
 
 KINDS = (("cublas", ("gemm", "cutlass", "sm90", "nvjet")), ("prefill_attn", ("prefill_attention",)),
          ("decode_attn", ("decode_attn",)), ("gemv", ("gemv",)), ("rope_store", ("rope", "store_kv")),
@@ -78,7 +78,7 @@ def main() -> None:
     host, calls = collections.defaultdict(float), collections.Counter()
     for path in ("_replay_uniform", "_replay_prefill", "_forward"):
         timed(host, calls, runner.ModelRunner, path, path)
-    timed(host, calls, piecewise.PiecewiseGraphs, "run", "pieces")
+    timed(host, calls, packed_graphs.PackedGraphs, "run", "packed graphs")
     out = {"model": name, "scale": scale, "gpu": torch.cuda.get_device_name(), "ceilings": ceil, "runs": {}}
     for key, wl in wls.items():
         engine = llmplug.Engine(model, config)

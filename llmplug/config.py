@@ -29,9 +29,9 @@ class OptimizeConfig:
         cuda_graphs: replay CUDA graphs for decode steps (CUDA only).
         graph_batch_sizes: batch-size buckets captured for decode; larger batches run eagerly.
         graph_prefill_tokens: token buckets captured for single-sequence prefill chunks; others run eagerly.
-        piecewise_tokens: token buckets of the piecewise graphs (:mod:`llmplug.engine.piecewise`) that other packed
-            steps replay, attention running between the pieces (CUDA, graphs on); captured by ``Engine.warmup`` up to
-            its step budget; ``()`` runs those steps eagerly.
+        packed_graph_tokens: token buckets of the graphs (:mod:`llmplug.engine.packed_graphs`) that other packed
+            steps (prompt chunks, mixed with decodes) replay, attention included (CUDA, graphs on); captured by
+            ``Engine.warmup`` up to its step budget; ``()`` runs those steps eagerly.
         max_prefill_tokens: prompt tokens packed into one forward pass; longer prompts are chunked.
         max_model_len: longest sequence (prompt + new tokens); ``None`` takes the model config's
             ``max_position_embeddings``.
@@ -56,7 +56,7 @@ class OptimizeConfig:
     cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256))
     graph_prefill_tokens: tuple[int, ...] = field(default=(64, 128, 256, 512))
-    piecewise_tokens: tuple[int, ...] = field(default=(128, 256, 512, 1024, 2048, 4096, 8192))
+    packed_graph_tokens: tuple[int, ...] = field(default=(128, 256, 512, 1024, 2048, 4096, 8192))
     max_prefill_tokens: int = 8192
     max_model_len: int | None = None
     quantize: str | None = None
@@ -76,7 +76,7 @@ class OptimizeConfig:
         fraction = self.kv_memory_fraction
         if fraction is not None and not (isinstance(fraction, (int, float)) and 0.0 < fraction < 1.0):
             raise ValueError(f"kv_memory_fraction={fraction!r} must be a float in (0, 1) or None")
-        for name in ("graph_batch_sizes", "graph_prefill_tokens", "piecewise_tokens"):
+        for name in ("graph_batch_sizes", "graph_prefill_tokens", "packed_graph_tokens"):
             sizes = tuple(getattr(self, name))
             if any(not isinstance(b, int) or b < 1 for b in sizes):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be positive ints")

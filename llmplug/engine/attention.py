@@ -56,14 +56,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if nd == 0:
         return prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                  meta.max_seqlen_q, scale, window, cap, out=out, **scales)
-    # a mixed step: one-token rows on the decode kernel (one K/V read per head group), the rest on the prefill kernel,
-    # each writing its rows of one output
+    # a mixed step: one-token rows on the decode kernel (one K/V read per head group), the rest on the prefill kernel
+    # (whose sequences start at row cu_seqlens_q[nd]), each writing its rows of one output. In a captured step
+    # (:mod:`~llmplug.engine.packed_graphs`) the first nd rows include padding ones (seq_lens 0): the decode kernel
+    # zeroes them, then the prefill kernel writes the rows that are really its own.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens, scale, window, cap,
                      out=out[:nd], _num_splits=meta.num_splits, **scales)
-    if nd < q.shape[0]:
-        prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.cu_seqlens_q[nd:] - nd,
-                          meta.context_lens[nd:], meta.max_seqlen_q, scale, window, cap, out=out[nd:], **scales)
+    if nd < meta.block_tables.shape[0]:
+        prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables[nd:], meta.cu_seqlens_q[nd:],
+                          meta.context_lens[nd:], meta.max_seqlen_q, scale, window, cap, out=out, **scales)
     return out
 
 
@@ -71,10 +73,9 @@ def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                          sliding_window: int | None = None, softcap: float | None = None,
                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                         split_counters: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                         split_counters: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`paged_attention` of ``q, k`` before RoPE (``cos, sin: (T, R)``, HF ``rotate_half``); ``q, k`` may be
-    rotated in place. ``split_counters``: the cache's (``PagedKVCache.split_counters``). ``out``: where the result
-    goes (:func:`paged_attention`; the one-kernel decode path makes a new tensor and copies it there).
+    rotated in place. ``split_counters``: the cache's (``PagedKVCache.split_counters``).
 
     Decode steps whose context the kernel splits run RoPE, the store, attention and the split combine as one kernel
     (:func:`~llmplug.ops.rope_decode_attention.rope_decode_attention`); other steps rotate and store
@@ -86,13 +87,12 @@ def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     if meta.is_decode and launch_splits(q, k_cache, meta.block_tables, sliding_window) > 1:
         if split_counters is not None and split_counters.numel() < k.shape[0] * k.shape[1]:
             split_counters = None
-        o = rope_decode_attention(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                                  meta.seq_lens, scale, sliding_window, softcap, k_scale=k_scale, v_scale=v_scale,
-                                  split_counters=split_counters)
-        return o if out is None else out.copy_(o)
+        return rope_decode_attention(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                                     meta.seq_lens, scale, sliding_window, softcap, k_scale=k_scale, v_scale=v_scale,
+                                     split_counters=split_counters)
     rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     return paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap, stored=True,
-                           k_scale=k_scale, v_scale=v_scale, out=out)
+                           k_scale=k_scale, v_scale=v_scale)
 
 
 @torch.compiler.disable  # it reads the step's metadata when it runs: a compiled stack breaks its graph here
@@ -102,12 +102,10 @@ def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     """``AttentionInterface`` entry: ``query (1, H, T, D)``, ``key/value (1, Hkv, T, D)`` -> ``((1, T, H, D), None)``.
 
     The runtime (pages, step metadata) hangs off the attention module; the mask is unused (positions and
-    sequence boundaries come from the metadata). While the runtime's ``attend_hook`` is set (piecewise graphs being
-    captured, :mod:`llmplug.engine.piecewise`), the layer's ``q, k, v`` and settings go to it instead.
+    sequence boundaries come from the metadata).
     """
     runtime = getattr(module, RUNTIME_ATTR, None)
-    hook = getattr(runtime, "attend_hook", None)
-    if runtime is None or (runtime.meta is None and hook is None):
+    if runtime is None or runtime.meta is None:
         raise RuntimeError(
             f"attention implementation {ATTENTION_NAME!r} runs only inside llmplug's generate; "
             "this module was not optimized by llmplug or is being called outside a llmplug step"
@@ -116,20 +114,10 @@ def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         raise RuntimeError(f"llmplug packs tokens into batch 1, got query batch {query.shape[0]}")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    if hook is not None:
-        out = hook(module.layer_idx, q, k, v, scale, sliding_window, softcap)
-    else:
-        out = layer_attention(runtime, module.layer_idx, q, k, v, scale, sliding_window, softcap)
+    k_cache, v_cache, k_scale, v_scale = runtime.cache.layer(module.layer_idx)
+    out = paged_attention(q, k, v, k_cache, v_cache, runtime.meta, scale, sliding_window, softcap, k_scale=k_scale,
+                          v_scale=v_scale)
     return out.unsqueeze(0), None
-
-
-def layer_attention(runtime, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    sliding_window: int | None, softcap: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`paged_attention` of layer ``layer``'s ``q (T, H, D)``, ``k, v (T, Hkv, D)`` (after RoPE) on the pages
-    and step metadata of ``runtime`` (the model's runner) -> ``(T, H, D)``, written into ``out`` where given."""
-    k_cache, v_cache, k_scale, v_scale = runtime.cache.layer(layer)
-    return paged_attention(q, k, v, k_cache, v_cache, runtime.meta, scale, sliding_window, softcap, k_scale=k_scale,
-                           v_scale=v_scale, out=out)
 
 
 AttentionInterface.register(ATTENTION_NAME, hf_paged_attention)

@@ -442,8 +442,8 @@ class Engine(ServingMixin, RankZeroMixin):
 
         Captures the decode graph (capturing an EAGLE-3 head's layer inputs when ``EngineConfig.speculative`` drafts
         with one; the draft model's too when it drafts with a draft model) and the greedy ring's of every batch size
-        up to ``max_num_seqs``, compiles the decode attention of every split count, captures the piecewise graphs of
-        packed steps up to ``max_num_batched_tokens`` tokens, then serves a throwaway set of random prompts (lengths
+        up to ``max_num_seqs``, compiles the decode attention of every split count, captures the graphs of packed
+        steps up to ``max_num_batched_tokens`` tokens, then serves a throwaway set of random prompts (lengths
         from 1 to ``max_num_batched_tokens``, a few tokens each), so the kernels' variants of mixed steps are compiled
         and single-sequence prefill graphs captured. Counters and prefix cache are reset.
         """
@@ -458,7 +458,8 @@ class Engine(ServingMixin, RankZeroMixin):
         phases += [("decode graphs", lambda: runner.capture_decode_graphs(config.max_num_seqs,
                                                                            greedy=config.greedy_ring >= 2)),
                    ("attention variants", lambda: compile_attention_variants(runner)),
-                   ("piecewise graphs", lambda: runner.capture_piecewise(config.max_num_batched_tokens))]
+                   ("packed-step graphs", lambda: runner.capture_packed(config.max_num_batched_tokens,
+                                                                        config.max_num_seqs))]
         if method == "draft":  # the draft model's decode graphs too
             phases.append(("draft model graphs", self._capture_draft_graphs))
         phases.append(("warm-up prompts", self._serve_throwaway_prompts))

@@ -1,13 +1,13 @@
-"""Any decoder-only HF causal LM split as the piecewise graphs need it (:mod:`llmplug.engine.piecewise`): ``body`` its
-decoder stack, each layer's attention through a hook; ``head`` its lm_head on the rows that want logits.
+"""Any decoder-only HF causal LM split as the packed-step graphs need it (:mod:`llmplug.engine.packed_graphs`):
+``body`` its decoder stack, ``head`` its lm_head on the rows that want logits.
 
 Some causal LMs do more after the lm_head than the lm_head (Granite divides the logits by a scale, Gemma 2 soft-caps
 them); :meth:`HFLayers.matches_forward` runs one step both ways and keeps the split only where its logits equal the
 model's own forward bit for bit.
 
-In the pieces the stack runs through ``torch.compile(backend="llmplug")``: Inductor with llmplug's passes compiles the
+In the graphs the stack runs through ``torch.compile(backend="llmplug")``: Inductor with llmplug's passes compiles the
 code between two attention calls (the attention breaks the graph), once per token bucket at warm-up (automatic dynamic
-shapes after the first), and the pieces capture what it compiled. A stack Dynamo cannot compile runs as it is.
+shapes after the first), and the graphs capture what it compiled. A stack Dynamo cannot compile runs as it is.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import warnings
 
 import torch
 
-from .attention import layer_attention
 from .metadata import AttentionMetadata
 
 
@@ -28,19 +27,13 @@ class HFLayers:
         from ..inductor import llmplug_backend  # the callable: no reliance on the installed entry point
 
         self.model, self.base = model, model.get_decoder()
-        self.stack = torch.compile(self.base, backend=llmplug_backend) if compile else self.base  # what the pieces run
+        self.stack = torch.compile(self.base, backend=llmplug_backend) if compile else self.base  # what body runs
 
-    def body(self, runner, input_ids: torch.Tensor, positions: torch.Tensor,
-             attend=None) -> tuple[torch.Tensor, None]:
-        """``input_ids, positions (T,)`` -> ``(hidden (T, E), None)``: the stack's output, final norm included.
-        ``attend(layer, q, k, v, scale, sliding_window, softcap) -> o`` stands in for :meth:`attention` where given;
-        then (the pieces) the compiled stack runs."""
-        runner.attend_hook = attend
-        try:
-            with runner.llmplug_attention():
-                return self._run(self.base if attend is None else self.stack, input_ids, positions), None
-        finally:
-            runner.attend_hook = None
+    def body(self, runner, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``input_ids, positions (T,)`` -> ``(hidden (T, E), None)``: the (compiled) stack's output, final norm
+        included, each layer's attention on the step ``runner.meta`` describes."""
+        with runner.llmplug_attention():
+            return self._run(self.stack, input_ids, positions), None
 
     def _run(self, stack, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         try:
@@ -48,15 +41,10 @@ class HFLayers:
         except Exception as error:  # noqa: BLE001 - Dynamo or Inductor cannot take this stack: run it as it is
             if stack is self.base or (input_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
                 raise
-            warnings.warn(f"llmplug's piecewise graphs run this model's layers uncompiled: torch.compile failed "
+            warnings.warn(f"llmplug's packed-step graphs run this model's layers uncompiled: torch.compile failed "
                           f"({type(error).__name__}: {error})", stacklevel=3)
             self.stack = self.base
             return self._run(self.base, input_ids, positions)
-
-    def attention(self, runner, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  sliding_window: int | None, softcap: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Layer ``i``'s paged attention of the step ``runner.meta`` describes (``q, k, v`` after RoPE)."""
-        return layer_attention(runner, i, q, k, v, scale, sliding_window, softcap, out=out)
 
     def head(self, hidden: torch.Tensor, residual: None, logits_indices: torch.Tensor | None) -> torch.Tensor:
         """The lm_head on rows ``logits_indices`` (all if None) of :meth:`body`'s ``hidden`` -> logits ``(R, V)``."""
@@ -64,8 +52,8 @@ class HFLayers:
 
     @torch.inference_mode()
     def matches_forward(self, runner) -> bool:
-        """Whether ``head(body(...))`` gives the model's own forward's logits, bit for bit, on a 5-token prompt (a
-        step that stores nothing)."""
+        """Whether :meth:`head` on the (uncompiled) stack's output gives the model's own forward's logits, bit for
+        bit, on a 5-token prompt (a step that stores nothing)."""
         dev, n = runner.device, 5
         meta = AttentionMetadata(query_len=0, slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
                                  block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
@@ -77,7 +65,8 @@ class HFLayers:
         runner.ensure_cache()
         runner.meta = meta
         try:
-            got = self.head(*self.body(runner, ids, positions), rows)
+            with runner.llmplug_attention():
+                got = self.head(self._run(self.base, ids, positions), None, rows)
         finally:
             runner.meta = None
         return got.shape == want.shape and torch.equal(got, want)

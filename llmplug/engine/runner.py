@@ -25,7 +25,7 @@ from ..spec.rejection import greedy_accept
 from .attention import ATTENTION_NAME
 from .hf_layers import HFLayers
 from .metadata import AttentionMetadata
-from .piecewise import PiecewiseGraphs
+from .packed_graphs import PackedGraphs
 from .step import StepContext, uniform_metadata
 
 # (runner, input_ids (T,), positions (T,), logits_indices (B,) or None) -> logits (B, V)
@@ -95,15 +95,14 @@ class ModelRunner:
         self.rope_by_position = kinds <= POSITION_ONLY_ROPE
         self._graphs_allowed = (config.cuda_graphs and self.device.type == "cuda"
                                 and not kinds & {"dynamic", "longrope"})
-        # packed steps as pieces captured per token bucket; under TP each piece keeps its all-reduces' captured order,
+        # packed steps as graphs captured per token bucket; under TP a graph keeps its all-reduces' captured order,
         # and every forward opens with the NCCL fence (llmplug.parallel.one_shot), as the decode graphs do
-        self.attend_hook = None  # while the HF path's pieces are captured: where each layer's attention goes
-        self.piecewise = None
-        if self._graphs_allowed and config.piecewise_tokens:
+        self.packed_graphs = None
+        if self._graphs_allowed and config.packed_graph_tokens:
             # (uncompiled under TP: the one-shot all-reduce alternates its buffer slot in Python; Dynamo would fix it)
             layers = HFLayers(model, compile=tp is None) if forward_fn is hf_forward else forward_fn
             if hasattr(layers, "body"):
-                self.piecewise = PiecewiseGraphs(self, layers, config.piecewise_tokens)
+                self.packed_graphs = PackedGraphs(self, layers, config.packed_graph_tokens)
 
     # ---- KV pool -------------------------------------------------------------------------------------------
     @property
@@ -156,8 +155,8 @@ class ModelRunner:
         """Free the KV pool and graphs (``unoptimize``); later graphs start a new memory pool (PyTorch does not
         capture into a pool whose graphs are all gone)."""
         self._graphs.clear()
-        if self.piecewise is not None:
-            self.piecewise.clear()
+        if self.packed_graphs is not None:
+            self.packed_graphs.clear()
         self._pool = None
         self.cache = None
         self.meta = None
@@ -207,9 +206,9 @@ class ModelRunner:
         A uniform step of up to ``MAX_GRAPH_QUERY`` tokens a row that wants every row's logits (decodes, verifies)
         replays the CUDA graph of its (rows bucket, query length), padding rows at position -1 (never stored, never
         read); one sequence's chunk of up to ``max(graph_prefill_tokens)`` tokens whose last logits are wanted replays
-        the graph of its token bucket (pad tokens follow the real ones and are never stored). Other steps replay the
-        pieces of their token bucket where :meth:`capture_piecewise` captured one (attention between the pieces,
-        :mod:`~llmplug.engine.piecewise`) and run eagerly otherwise.
+        the graph of its token bucket (pad tokens follow the real ones and are never stored). Other packed steps
+        replay the graph of their token bucket where :meth:`capture_packed` captured one
+        (:mod:`~llmplug.engine.packed_graphs`) and run eagerly otherwise.
         """
         q, rows, tokens = ctx.query_len, ctx.num_rows, ctx.input_ids.shape[0]
         every_row = ctx.logits_indices is None and q <= MAX_GRAPH_QUERY
@@ -223,29 +222,32 @@ class ModelRunner:
         chunk = next((t for t in self.config.graph_prefill_tokens if t >= tokens), None)
         if self._graphs_allowed and rows == 1 and q != 1 and chunk is not None and ctx.logits_indices is not None:
             return self._replay_prefill(ctx.input_ids, positions, meta, ctx.logits_indices, chunk)
-        pieces = self.piecewise.bucket(tokens) if self.piecewise is not None and not self.aux_layers else None
-        return self._forward(ctx.input_ids, positions, meta, ctx.logits_indices, pieces)
+        packed = None
+        if self.packed_graphs is not None and not self.aux_layers:
+            packed = self.packed_graphs.bucket(meta, tokens)
+        return self._forward(ctx.input_ids, positions, meta, ctx.logits_indices, packed)
 
     @torch.inference_mode()
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits_indices: torch.Tensor | None, pieces: int | None = None) -> torch.Tensor:
-        """Eager forward, or the piecewise graphs of bucket ``pieces``: ``input_ids, positions (T,)`` -> logits
+                 logits_indices: torch.Tensor | None, packed: int | None = None) -> torch.Tensor:
+        """Eager forward, or the packed-step graph of bucket ``packed``: ``input_ids, positions (T,)`` -> logits
         ``(R, V)`` of the rows ``logits_indices``."""
         self.ensure_cache()
+        if packed is not None:
+            return self.packed_graphs.run(input_ids, positions, meta, logits_indices, packed)
         self.meta = meta
         try:
-            if pieces is not None:
-                return self.piecewise.run(input_ids, positions, logits_indices, pieces)
             with programmatic_launch():  # the step's kernels may overlap their predecessors' tails (weights are fixed)
                 return self.forward_fn(self, input_ids, positions, logits_indices)
         finally:
             self.meta = None
 
     @torch.inference_mode()
-    def capture_piecewise(self, max_tokens: int) -> list[int]:
-        """Capture the piecewise graphs of every token bucket a packed step of up to ``max_tokens`` tokens uses (CUDA,
-        graphs on; none where the model's layers cannot be split or captured); returns the captured buckets."""
-        return [] if self.piecewise is None else self.piecewise.capture(max_tokens)
+    def capture_packed(self, max_tokens: int, max_seqs: int) -> list[int]:
+        """Capture the graph of every token bucket a packed step of up to ``max_tokens`` tokens and ``max_seqs``
+        sequences uses (CUDA, graphs on; none where the model's layers cannot be split or captured); returns the
+        captured buckets."""
+        return [] if self.packed_graphs is None else self.packed_graphs.capture(max_tokens, max_seqs)
 
     def graph_bucket(self, batch: int) -> int | None:
         """The captured batch size a uniform step of ``batch`` rows runs in, or None (eager)."""

@@ -188,26 +188,38 @@ if triton is not None:
             m_i = m_new
         return acc, m_i, l_i
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_seqs", "search_steps"])  # one compile for any sequence count
     def _prefill_attention_kernel(
         q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, ctx_ptr, out_ptr, stride_qt, stride_qh,
         stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kcp, stride_kch, stride_vcb, stride_vcp,
-        stride_vch, stride_scb, stride_sch, stride_bt, stride_ot, stride_oh, scale, softcap, window,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        stride_vch, stride_scb, stride_sch, stride_bt, stride_ot, stride_oh, scale, softcap, window, num_seqs,
+        search_steps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr, SCALE_P: tl.constexpr,
     ):
-        # grid = (H, num_m_tiles, B). Heads vary fastest so the GROUP query heads sharing a kv head run side by side
-        # (L2 reuse of K/V); query tiles go last-first so the longest (most keys) causal tiles start earliest.
+        # grid = (H, tiles): heads vary fastest so the GROUP query heads sharing a kv head run side by side (L2 reuse
+        # of K/V). Tile t of the flat order belongs to the last sequence b with first_tile(b) <= t, where
+        # first_tile(b) = (cu[b] - cu[0]) // BLOCK_M + b leaves each sequence room for all its query tiles; the
+        # rest of a sequence's room, and zero-length (padding) sequences, exit at once. So the grid depends on the
+        # token and sequence counts alone (a CUDA graph can hold it). Tiles go last-first: a sequence's last, most
+        # causal keys, tiles start earliest.
         h = tl.program_id(0)
-        m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
         # Inductor passes Python floats as fp64 (eager Triton as fp32): pin them, or the scores turn fp64.
         scale = tl.cast(scale, tl.float32)
         softcap = tl.cast(softcap, tl.float32)
-        b = tl.program_id(2)
+        cu0 = tl.load(cu_q_ptr)
+        lo = 0
+        hi = num_seqs
+        for _ in range(search_steps):  # bisection: first_tile(lo) <= tile < first_tile(hi)
+            mid = (lo + hi) // 2
+            below = (tl.load(cu_q_ptr + mid) - cu0) // BLOCK_M + mid <= tile
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid)
+        b = lo
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
-        start_m = m_tile * BLOCK_M
+        start_m = (tile - (q_start - cu0) // BLOCK_M - b) * BLOCK_M
         if start_m >= q_len:
             return
         ctx = tl.load(ctx_ptr + b)
@@ -337,8 +349,10 @@ def _prefill_attention_op(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     if not use_triton(q):
-        out.copy_(prefill_attention_ref(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                        max_seqlen_q, scale, sliding_window, softcap, k_scale, v_scale))
+        ref = prefill_attention_ref(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
+                                    scale, sliding_window, softcap, k_scale, v_scale)
+        lo, hi = int(cu_seqlens_q[0]), int(cu_seqlens_q[-1])  # the rows the sequences own; the rest stay as they are
+        out[lo:hi].copy_(ref[lo:hi])
         return
     t, h, d = q.shape
     hkv, page = k.shape[1], k_cache.shape[1]
@@ -346,7 +360,8 @@ def _prefill_attention_op(
     if t == 0 or batch == 0 or max_seqlen_q <= 0:
         return
     block_m, block_n, num_warps, num_stages = _launch_config(d, q.dtype, q.device.type == "cuda")
-    grid = (h, triton.cdiv(max_seqlen_q, block_m), batch)
+    # the flat tile slots (see the kernel) number <= T // BLOCK_M + B, and <= B * (cdiv(max_seqlen_q, BLOCK_M) + 1) - 1
+    grid = (h, min(t // block_m + batch, batch * (triton.cdiv(max_seqlen_q, block_m) + 1) - 1))
     quant = k_scale is not None
     maybe_wrap(_prefill_attention_kernel)[grid](
         q, k, v, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache,  # placeholders
@@ -357,6 +372,7 @@ def _prefill_attention_op(
         k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0,
         block_tables.stride(0), out.stride(0), out.stride(1),
         float(scale), float(softcap) if softcap > 0 else 1.0, int(sliding_window) if sliding_window > 0 else 1,
+        batch, max(0, batch - 1).bit_length(),
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=softcap > 0, QUANT=quant, SCALE_P=q.dtype != torch.float16,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -453,11 +469,12 @@ def prefill_attention(
         v_cache: ``(num_blocks, P, Hkv, D)`` paged value cache, dtype of ``k_cache``.
         block_tables: ``(B, M)`` int32; cached token ``i`` of sequence ``b`` is in block ``block_tables[b, i // P]``
             at offset ``i % P``. Entries past a sequence's used blocks are never read.
-        cu_seqlens_q: ``(B + 1,)`` int32 prefix sums of the new-token counts: sequence ``b`` owns rows
-            ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q/k/v.
+        cu_seqlens_q: ``(B + 1,)`` int32 non-decreasing row offsets: sequence ``b`` owns rows
+            ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q/k/v (zero-length sequences allowed). The first need not be
+            0: rows outside ``cu_seqlens_q[0] : cu_seqlens_q[B]`` are neither read nor written (in ``out`` either).
         context_lens: ``(B,)`` int32 number of tokens of each sequence already in the cache (0 for a fresh prompt);
             new token ``j`` of sequence ``b`` has absolute position ``context_lens[b] + j``.
-        max_seqlen_q: python int >= the largest new-token count (sizes the launch grid).
+        max_seqlen_q: python int >= the largest new-token count (bounds the launch grid).
         scale: softmax scale multiplied into ``q @ k^T`` (usually ``D ** -0.5``).
         sliding_window: -1 for none; else a query at position ``p`` sees keys at positions ``> p - sliding_window``.
         softcap: 0 for none; else scores become ``softcap * tanh(scores / softcap)`` (after scaling, before masking).

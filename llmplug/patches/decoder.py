@@ -8,8 +8,6 @@ the stock HF forward keeps working beside this one.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -83,8 +81,6 @@ class Dense:
 
 
 Linear = Dense | QuantLinear  # both offer matmul(x) and gated_matmul(x, activation)
-# (layer, q, k, v, cos, sin) -> attention output, as FusedDecoder.attention
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _linear_of(module: torch.nn.Module) -> Linear:
@@ -245,22 +241,19 @@ class FusedDecoder:
         return self.head(hidden, residual, logits_indices)
 
     def attention(self, runner, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                  sin: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s paged attention of the step ``runner.meta`` describes: ``q (T, H, D)``, ``k, v (T, Hkv, D)``
-        before RoPE (``cos, sin (T, R)``; ``q, k`` may be rotated in place) -> ``(T, H, D)``, written into ``out``
-        where given."""
+        before RoPE (``cos, sin (T, R)``; ``q, k`` may be rotated in place) -> ``(T, H, D)``."""
         lay, cache = self.layers[i], runner.cache
         k_cache, v_cache, k_scale, v_scale = cache.layer(i)
         return rope_paged_attention(q, k, v, cos, sin, k_cache, v_cache, runner.meta, lay.scale, lay.window,
-                                    lay.softcap, k_scale, v_scale, cache.split_counters, out=out)
+                                    lay.softcap, k_scale, v_scale, cache.split_counters)
 
-    def body(self, runner, input_ids: torch.Tensor, positions: torch.Tensor,
-             attend: Attend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def body(self, runner, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers: ``input_ids, positions (T,)`` -> ``(hidden, residual)``, both ``(T, hidden size)``, whose sum
-        the final norm takes (:meth:`head`). ``attend(i, q, k, v, cos, sin) -> o`` stands in for :meth:`attention`
-        where given (:mod:`llmplug.engine.piecewise` runs the layers as CUDA graphs with attention between them)."""
+        the final norm takes (:meth:`head`). :mod:`llmplug.engine.packed_graphs` captures it alone, the head running
+        eagerly on the rows that want logits."""
         spec, aux_layers, aux = self.spec, runner.aux_layers, {}
-        attend = attend or functools.partial(self.attention, runner)
         hidden = self.base.embed_tokens(input_ids)
         rope = self._rotary(hidden, positions, runner)
         t, d = input_ids.shape[0], self.head_dim
@@ -279,7 +272,7 @@ class FusedDecoder:
             if hasattr(attn, "q_norm"):
                 q, k = self._norm(q, attn.q_norm), self._norm(k, attn.k_norm)
             cos, sin = rope[lay.rope_key]
-            o = attend(i, q, k, v, cos, sin)
+            o = self.attention(runner, i, q, k, v, cos, sin)
             if spec.sandwich_norms:  # the norm after each sublayer comes before the residual add
                 hidden = self._norm(lay.o.matmul(o.view(t, -1)), layer.post_attention_layernorm)
                 gated, residual = self._add_norm_matmul(lay.gate_up, None, hidden, residual,

@@ -80,6 +80,37 @@ def test_oversized_grid():
     assert_close_matmul_like(out, prefill_attention_ref(*to64(args), 0.125), prefill_attention_ref(*args, 0.125))
 
 
+@pytest.mark.parametrize("reference", [False, True], ids=["kernel", "reference"])
+def test_sequences_after_other_rows_and_padding_sequences(reference):
+    """A captured packed step's layout: the sequences start at row 7 (rows before belong to others), zero-length
+    padding sequences follow, and the grid is sized for more tokens than there are; each sequence gets what it gets
+    alone, bit for bit, and rows outside the sequences keep their values."""
+    from llmplug.ops._triton import cpu_kernels
+
+    seqlens, ctx_lens = [19, 1, 37, 5], [5, 0, 33, 17]
+    args = make_inputs(seqlens, ctx_lens, 4, 1, 64, 16, torch.bfloat16)
+    q, k, v, kc, vc, tables, cu, ctx, _ = args
+    t, lead, pads = q.shape[0], 7, 3
+
+    def rows(x):  # other rows before and after
+        other = torch.randn((lead + 9,) + x.shape[1:]).to(x.dtype)
+        return torch.cat([other[:lead], x, other[lead:]])
+
+    big_q, big_k, big_v = rows(q), rows(k), rows(v)
+    big_cu = torch.cat([cu + lead, torch.full((pads,), t + lead, dtype=torch.int32)])
+    big_ctx = torch.cat([ctx, torch.zeros(pads, dtype=torch.int32)])
+    big_tables = torch.cat([tables, tables[:1].expand(pads, -1)])
+    with cpu_kernels(INTERPRET and not reference):
+        out = torch.full(big_q.shape, 3.0, dtype=torch.bfloat16)
+        prefill_attention(big_q, big_k, big_v, kc, vc, big_tables, big_cu, big_ctx, big_q.shape[0], 0.125, out=out)
+        for b, n in enumerate(seqlens):
+            s = int(cu[b])
+            alone = prefill_attention(q[s:s + n], k[s:s + n], v[s:s + n], kc, vc, tables[b:b + 1],
+                                      torch.tensor([0, n], dtype=torch.int32), ctx[b:b + 1], n, 0.125)
+            assert torch.equal(out[lead + s:lead + s + n], alone), f"sequence {b}"
+    assert (out[:lead] == 3).all() and (out[lead + t:] == 3).all()
+
+
 def test_reference_matches_sdpa():
     """No cache, no window, no softcap: the reference is causal SDPA per sequence (with GQA)."""
     args = make_inputs([3, 17, 30], [0, 0, 0], 6, 2, 64, 16, torch.float64)

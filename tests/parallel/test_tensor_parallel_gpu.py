@@ -33,11 +33,11 @@ def _on_ranks(rank: int, allreduce: str) -> dict:
     import os
 
     os.environ["LLMPLUG_TP_ALLREDUCE"] = allreduce
-    model = llmplug.optimize(_model(), tensor_parallel="auto", graph_batch_sizes=(1, 4), piecewise_tokens=(8, 32))
+    model = llmplug.optimize(_model(), tensor_parallel="auto", graph_batch_sizes=(1, 4), packed_graph_tokens=(8, 32))
     out = {"batch": model.generate(**_inputs()).cpu(), "one": model.generate(**_first(_inputs())).cpu()}
     engine = llmplug.Engine(model, _ENGINE)
-    engine.warmup(progress=False)  # every rank alike: the decode graphs, and the pieces of packed steps
-    out["pieces"] = llmplug.state.state_of(model).runner.piecewise.bucket(20)
+    engine.warmup(progress=False)  # every rank alike: the decode graphs, and the graphs of packed steps
+    out["packed"] = sorted(llmplug.state.state_of(model).runner.packed_graphs._graphs)
     rows = [[t for t in r if t] for r in _inputs()["input_ids"].tolist()]
     if rank == 0:
         done = engine.generate(rows, llmplug.SamplingParams(max_new_tokens=24, temperature=0.0), progress=False)
@@ -52,12 +52,12 @@ def _on_ranks(rank: int, allreduce: str) -> dict:
 
 @pytest.mark.parametrize("allreduce", ["nccl", "one_shot"])
 def test_two_gpus_equal_one(allreduce):
-    """generate, and an Engine whose packed steps (a 16-token budget: prompt chunks beside decodes) replay pieces with
+    """generate, and an Engine whose packed steps (a 16-token budget: prompt chunks beside decodes) replay graphs with
     the collectives inside, give one GPU's tokens."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     results = run_ranks(2, _on_ranks, allreduce, backend="nccl")
-    solo = llmplug.optimize(_model(), graph_batch_sizes=(1, 4), piecewise_tokens=(8, 32))
+    solo = llmplug.optimize(_model(), graph_batch_sizes=(1, 4), packed_graph_tokens=(8, 32))
     expected = solo.generate(**_inputs()).cpu()
     one = solo.generate(**_first(_inputs())).cpu()
     engine = llmplug.Engine(solo, _ENGINE)
@@ -67,7 +67,7 @@ def test_two_gpus_equal_one(allreduce):
     for got in results:
         assert torch.equal(got["batch"], expected) and torch.equal(got["one"], one)
         assert got["graphs"] > 0  # the steps replayed CUDA graphs with the collectives inside
-        assert got["pieces"] == 32
+        assert got["packed"] == [8, 32]
         assert got["engine"] == [o.outputs[0].token_ids for o in alone]
 
 

@@ -1,6 +1,6 @@
-"""Packed steps replayed as piecewise CUDA graphs (attention eager between the pieces) equal the eager forward, and an
-Engine serving through them gives stock HF's greedy tokens (fp32, CUDA; the CPU has no graphs: the split forward's
-body/head on the CPU is checked here too)."""
+"""Packed steps replayed as one CUDA graph per token bucket (attention included) equal the eager forward, and an
+Engine serving through them gives stock HF's greedy tokens (fp32, CUDA). The CPU has no graphs; here it checks the
+split forward (body, then head) and a step on the graphs' padded metadata against the eager step."""
 
 import copy
 
@@ -13,39 +13,36 @@ import llmplug.inductor
 from llmplug import Engine, EngineConfig, SamplingParams
 from llmplug.engine.hf_layers import HFLayers
 from llmplug.engine.metadata import AttentionMetadata
+from llmplug.engine.packed_graphs import fill_metadata, padded_metadata
 from llmplug.engine.sequences import SequenceBatch
 from llmplug.engine.step import build_step
-from llmplug.ops._triton import cpu_kernels
+from llmplug.ops._triton import INTERPRET, cpu_kernels
 from llmplug.state import state_of
 from tests.tiny_models import make_model, pad, prompts
 
 
+def _mixed_step(runner, lengths, news):
+    """A :class:`SequenceBatch` of ``prompts(lengths)`` grown for a packed step computing ``news`` tokens a row."""
+    ids, mask = pad(prompts(len(lengths), lengths=lengths))
+    batch = SequenceBatch(runner, ids, mask, max_length=40, prefix_cache=False)
+    batch._grow(range(len(lengths)), news)
+    return batch, build_step(batch.seqs, news, batch.block_size, ids.device, block_tables=batch.block_table_dev)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt2", "olmo2"])
-def test_body_with_staged_attention_equals_the_forward(family):
-    """The layers' body with every layer's attention inputs copied out and its output written into another buffer (as
-    the pieces do), then the head, give the forward's logits: the fused families' decoder and any other model's
-    :class:`HFLayers`."""
+def test_body_then_head_equals_the_forward(family):
+    """The layers' body, then the head, give the forward's logits bit for bit: the fused families' decoder and any
+    other model's (uncompiled) :class:`HFLayers`."""
     model = llmplug.optimize(make_model(family))
     runner = state_of(model).runner
     decoder = runner.forward_fn if hasattr(runner.forward_fn, "body") else HFLayers(model, compile=False)
-    ids, mask = pad(prompts(3, lengths=(5, 17, 9)))
-    batch = SequenceBatch(runner, ids, mask, max_length=40, prefix_cache=False)
+    batch, ctx = _mixed_step(runner, (5, 17, 9), [1, 17, 9])
     try:
-        batch._grow(range(3), [1, 17, 9])
-        ctx = build_step(batch.seqs, [1, 17, 9], batch.block_size, ids.device, block_tables=batch.block_table_dev)
         with cpu_kernels(False):
             want = runner._forward(ctx.input_ids, ctx.positions, ctx.meta, ctx.logits_indices)
-
-            def staged(i, q, k, v, *rest):
-                q, k, v = q.clone(), k.clone(), v.clone()
-                out = torch.full(q.shape, float("nan"), dtype=q.dtype)
-                assert decoder.attention(runner, i, q, k, v, *rest, out=out) is out
-                return out
-
             runner.meta = ctx.meta
             try:
-                hidden, residual = decoder.body(runner, ctx.input_ids, ctx.positions, attend=staged)
-                got = decoder.head(hidden, residual, ctx.logits_indices)
+                got = decoder.head(*decoder.body(runner, ctx.input_ids, ctx.positions), ctx.logits_indices)
             finally:
                 runner.meta = None
     finally:
@@ -53,28 +50,50 @@ def test_body_with_staged_attention_equals_the_forward(family):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("family, kernels", [("llama", True), ("gemma2", False), ("olmo2", False)])
+def test_step_on_padded_metadata_equals_the_step(family, kernels):
+    """A packed step (two decode rows, two prompt chunks) run on a bucket's padded metadata (:func:`fill_metadata`:
+    more tokens, decode rows and sequences than it has, as a captured graph sees them) gives the eager step's logits on
+    its rows; the pad tokens store nothing. On the interpreter's kernels (llama) and the references."""
+    model = llmplug.optimize(make_model(family))
+    runner = state_of(model).runner
+    batch, ctx = _mixed_step(runner, (5, 3, 17, 9), [1, 1, 17, 9])
+    t, n = ctx.input_ids.shape[0], 40
+    try:
+        with cpu_kernels(kernels and INTERPRET):
+            want = runner._forward(ctx.input_ids, ctx.positions, ctx.meta, None)
+            pages = [x.clone() for x in runner.cache.layer(0)[:2]]
+            meta = padded_metadata(n, 5, runner.max_blocks_per_seq, ctx.input_ids.device)
+            for buf, junk in ((meta.block_tables, 7), (meta.cu_seqlens_q, 99), (meta.context_lens, 5),
+                              (meta.seq_lens, 9), (meta.slot_mapping, 0)):
+                buf.fill_(junk)  # an earlier step's values: the fill must overwrite them or pad them away
+            fill_metadata(meta, ctx.meta, t)
+            ids = torch.cat([ctx.input_ids, torch.full((n - t,), 3)])
+            positions = torch.cat([ctx.positions, torch.arange(n - t)])
+            got = runner._forward(ids, positions, meta, None)[:t]
+            assert all(torch.equal(a, b) for a, b in zip(pages, runner.cache.layer(0)[:2]))  # the step stored again
+    finally:
+        batch.release()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["olmo2", "gpt2"])
 def test_hf_layers_compiled_stack_matches_and_takes_the_passes(family, monkeypatch):
-    """In the pieces an HF-path stack runs through torch.compile(backend="llmplug"), the attention breaking its graph:
+    """In the graphs an HF-path stack runs through torch.compile(backend="llmplug"), the attention breaking its graph:
     logits within the fp32 tolerance of the forward's, and llmplug's norm pass matched in OLMo 2's segments."""
     monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # every graph compiled (and counted) here
     model = llmplug.optimize(make_model(family))
     runner = state_of(model).runner
     layers = HFLayers(model)
-    ids, mask = pad(prompts(2, lengths=(7, 12)))
-    batch = SequenceBatch(runner, ids, mask, max_length=40, prefix_cache=False)
     torch._dynamo.reset()
     llmplug.inductor.reset_report()
+    batch, ctx = _mixed_step(runner, (7, 12), [7, 12])
     try:
-        batch._grow(range(2), [7, 12])
-        ctx = build_step(batch.seqs, [7, 12], batch.block_size, ids.device, block_tables=batch.block_table_dev)
         with cpu_kernels(False), torch.inference_mode():
             want = runner._forward(ctx.input_ids, ctx.positions, ctx.meta, ctx.logits_indices)
             runner.meta = ctx.meta
             try:
-                hidden, _ = layers.body(runner, ctx.input_ids, ctx.positions,
-                                        attend=lambda i, *a: layers.attention(runner, i, *a))
-                got = layers.head(hidden, None, ctx.logits_indices)
+                got = layers.head(*layers.body(runner, ctx.input_ids, ctx.positions), ctx.logits_indices)
             finally:
                 runner.meta = None
     finally:
@@ -101,10 +120,10 @@ def test_hf_layers_run_uncompiled_where_compile_fails():
         1, 1, dtype=torch.int32), cu_seqlens_q=torch.tensor([0, 6], dtype=torch.int32), context_lens=torch.zeros(
         1, dtype=torch.int32), max_seqlen_q=6)
     try:
-        with cpu_kernels(False), torch.inference_mode():
-            want, _ = layers.body(runner, ids, positions)
+        with cpu_kernels(False), torch.inference_mode(), runner.llmplug_attention():
+            want = layers._run(layers.base, ids, positions)
             with pytest.warns(UserWarning, match="Dynamo says no"):
-                got, _ = layers.body(runner, ids, positions, attend=lambda i, *a: layers.attention(runner, i, *a))
+                got, _ = layers.body(runner, ids, positions)
     finally:
         runner.meta = None
     assert layers.stack is layers.base
@@ -121,13 +140,13 @@ def test_hf_layers_are_kept_only_where_they_match_the_forward(family, split):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt2", "olmo2"])
-def test_piecewise_step_equals_the_eager_step_cuda(family):
-    """A packed step of a decode row and two prefill rows (27 tokens) replays the 32-token bucket's pieces; its logits
+def test_packed_graph_step_equals_the_eager_step_cuda(family):
+    """A packed step of a decode row and two prefill rows (27 tokens) replays the 32-token bucket's graph; its logits
     equal the eager step's; twice in a row (pads keep stale values) the same."""
     model = make_model(family).cuda()
-    llmplug.optimize(model, piecewise_tokens=(8, 32), kv_num_blocks=64)
+    llmplug.optimize(model, packed_graph_tokens=(8, 32), kv_num_blocks=64)
     runner = state_of(model).runner
-    assert runner.capture_piecewise(20) == [8, 32]
+    assert runner.capture_packed(20, 4) == [8, 32]
     ids, mask = pad(prompts(3, lengths=(6, 17, 9)))
     ids, mask = ids.cuda(), mask.cuda()
     batch = SequenceBatch(runner, ids, mask, max_length=40, prefix_cache=False)
@@ -137,7 +156,7 @@ def test_piecewise_step_equals_the_eager_step_cuda(family):
         for s in batch.seqs[1:]:
             s.num_computed = 0
         ctx = build_step(batch.seqs, [1, 17, 9], batch.block_size, ids.device, block_tables=batch.block_table_dev)
-        assert runner.piecewise.bucket(27) == 32
+        assert runner.packed_graphs.bucket(ctx.meta, 27) == 32
         want = runner._forward(ctx.input_ids, ctx.positions, ctx.meta, ctx.logits_indices).clone()
         got = runner.step(ctx).clone()
         again = runner.step(ctx)
@@ -149,24 +168,24 @@ def test_piecewise_step_equals_the_eager_step_cuda(family):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "olmo2"])
-def test_engine_through_pieces_equals_stock_fp32_cuda(family):
-    """An Engine whose packed steps replay pieces (budget 48 tokens: prefill chunks mixed with decodes) gives stock HF's
-    greedy tokens, and the pieces ran: a fused family and one through HF's forward."""
+def test_engine_through_packed_graphs_equals_stock_fp32_cuda(family):
+    """An Engine whose packed steps replay graphs (budget 48 tokens: prefill chunks mixed with decodes) gives stock HF's
+    greedy tokens, and the graphs ran: a fused family and one through HF's forward."""
     torch.manual_seed(0)
     stock = make_model(family).cuda()
     stock.generation_config.eos_token_id = None
     fast = copy.deepcopy(stock)
     llmplug.optimize(fast, kv_num_blocks=64, kv_block_size=8, graph_batch_sizes=(1, 2, 4, 8),
-                     graph_prefill_tokens=(), piecewise_tokens=(16, 64))
+                     graph_prefill_tokens=(), packed_graph_tokens=(16, 64))
     rows = prompts(6, lengths=(5, 30, 3, 41, 1, 19), seed=4)
     news = [20, 17, 33, 25, 9, 28]
     engine = Engine(fast, EngineConfig(max_num_batched_tokens=48))
     engine.warmup()
-    pieces = state_of(fast).runner.piecewise
-    assert pieces.bucket(48) == 64
+    graphs = state_of(fast).runner.packed_graphs
+    assert sorted(graphs._graphs) == [16, 64]
     runs = []
-    run = pieces.run
-    pieces.run = lambda *a: runs.append(a[-1]) or run(*a)
+    run = graphs.run
+    graphs.run = lambda *a: runs.append(a[-1]) or run(*a)
     outs = engine.generate(rows, [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in news],
                            progress=False)
     assert runs

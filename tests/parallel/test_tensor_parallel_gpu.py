@@ -37,7 +37,7 @@ def _on_ranks(rank: int, allreduce: str) -> dict:
     out = {"batch": model.generate(**_inputs()).cpu(), "one": model.generate(**_first(_inputs())).cpu()}
     engine = llmplug.Engine(model, _ENGINE)
     engine.warmup(progress=False)  # every rank alike: the decode graphs, and the graphs of packed steps
-    out["packed"] = sorted(llmplug.state.state_of(model).runner.packed_graphs._graphs)
+    out["packed"] = llmplug.state.state_of(model).runner.packed_graphs.token_buckets
     rows = [[t for t in r if t] for r in _inputs()["input_ids"].tolist()]
     if rank == 0:
         done = engine.generate(rows, llmplug.SamplingParams(max_new_tokens=24, temperature=0.0), progress=False)

@@ -243,17 +243,21 @@ def sm_count(device: torch.device) -> int:
     return INTERPRETER_SMS
 
 
-def tile_config(head_dim: int, elem_size: int, cache_elem_size: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)`` for a (padded) head dim and the query's and cache's element sizes."""
-    # NOTE: bf16/fp16 pages: 64 tokens a tile at D=128, else 32 (D=64: 88-95% of the read rate at batch 128 against
-    # 76-82% with 64; BENCHMARKS.md, "decode attention tiles at serving batches"); fp32 (FMA dots): 16. fp8/int8 pages
-    # (both matmuls in fp16), H100, 2026-11-22, batch 64 x 32 heads (8 kv) x D=128, us at context 384 / 2048 (bf16
-    # pages 38.5 / 181.2): 128 tokens on 4 warps fp8 33.5 / 144.6, int8 36.3 / 163.3; 64 on 8 warps 60.9 / 277.7.
+def tile_config(head_dim: int, elem_size: int, cache_elem_size: int, programs: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` for a (padded) head dim, the query's and cache's element sizes and the
+    launch's (sequence, kv head) programs before splitting."""
+    # NOTE: bf16/fp16 pages: 64 tokens a tile up to D=128, else 32 (a K or V tile <= 16 KiB); at D<=64 with >= 1,024
+    # programs, 32 (H100, batch 128 x 8 kv heads: 88-95% of the read rate against 76-82%; at batch 8-64 the 1B decoded
+    # 2-4% slower with 32: BENCHMARKS.md, "decode attention tiles"); fp32 (FMA dots): 16. fp8/int8 pages (both matmuls
+    # in fp16), H100, 2026-11-22, batch 64 x 32 heads (8 kv) x D=128, us at context 384 / 2048 (bf16 pages 38.5 /
+    # 181.2): 128 tokens on 4 warps fp8 33.5 / 144.6, int8 36.3 / 163.3; 64 on 8 warps 60.9 / 277.7.
     if elem_size >= 4:
         return 16, 4, 3
     if cache_elem_size == 1:
         return (128 if head_dim <= 128 else 64), 4, 3
-    return (64 if 64 < head_dim <= 128 else 32), 4, 3
+    if head_dim <= 64 and programs >= 1024:
+        return 32, 4, 3
+    return (64 if head_dim <= 128 else 32), 4, 3
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:

@@ -29,16 +29,12 @@ def _mixed_step(runner, lengths, news):
     return batch, build_step(batch.seqs, news, batch.block_size, ids.device, block_tables=batch.block_table_dev)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt2", "olmo2"])
-def test_body_then_head_equals_the_forward(family):
-    """The layers' body, then the head, give the forward's logits bit for bit: the fused families' decoder and any
-    other model's (uncompiled) :class:`HFLayers`."""
-    model = llmplug.optimize(make_model(family))
-    runner = state_of(model).runner
-    decoder = runner.forward_fn if hasattr(runner.forward_fn, "body") else HFLayers(model, compile=False)
-    batch, ctx = _mixed_step(runner, (5, 17, 9), [1, 17, 9])
+def _forward_and_split(runner, decoder, lengths, news):
+    """Logits of a packed step (:func:`_mixed_step`) from the runner's forward and from ``decoder``'s body, then head
+    (on the references)."""
+    batch, ctx = _mixed_step(runner, lengths, news)
     try:
-        with cpu_kernels(False):
+        with cpu_kernels(False), torch.inference_mode():
             want = runner._forward(ctx.input_ids, ctx.positions, ctx.meta, ctx.logits_indices)
             runner.meta = ctx.meta
             try:
@@ -47,6 +43,17 @@ def test_body_then_head_equals_the_forward(family):
                 runner.meta = None
     finally:
         batch.release()
+    return want, got
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt2", "olmo2"])
+def test_body_then_head_equals_the_forward(family):
+    """The layers' body, then the head, give the forward's logits bit for bit: the fused families' decoder and any
+    other model's (uncompiled) :class:`HFLayers`."""
+    model = llmplug.optimize(make_model(family))
+    runner = state_of(model).runner
+    decoder = runner.forward_fn if hasattr(runner.forward_fn, "body") else HFLayers(model, compile=False)
+    want, got = _forward_and_split(runner, decoder, (5, 17, 9), [1, 17, 9])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -87,17 +94,7 @@ def test_hf_layers_compiled_stack_matches_and_takes_the_passes(family, monkeypat
     layers = HFLayers(model)
     torch._dynamo.reset()
     llmplug.inductor.reset_report()
-    batch, ctx = _mixed_step(runner, (7, 12), [7, 12])
-    try:
-        with cpu_kernels(False), torch.inference_mode():
-            want = runner._forward(ctx.input_ids, ctx.positions, ctx.meta, ctx.logits_indices)
-            runner.meta = ctx.meta
-            try:
-                got = layers.head(*layers.body(runner, ctx.input_ids, ctx.positions), ctx.logits_indices)
-            finally:
-                runner.meta = None
-    finally:
-        batch.release()
+    want, got = _forward_and_split(runner, layers, (7, 12), [7, 12])
     assert layers.stack is not layers.base  # compiled, not fallen back
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if family == "olmo2":

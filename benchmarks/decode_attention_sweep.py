@@ -69,7 +69,8 @@ def sweep(d: int, b: int, c: int, ceil: dict, device: str = "cuda") -> dict:
     timed = [r for r in results if "us" in r]
     best = min(timed, key=lambda r: r["us"]) if timed else None
     row = {"head_dim": d, "batch": b, "context": c, "kv_bytes": kv_bytes, "default_us": base * 1e6,
-           "default_config": list(default(max(16, d), 2, 2)) + [dmod.launch_splits(q, pool[0][0], pool[0][2], -1)],
+           "default_config": list(default(max(16, d), 2, 2, b * KV_HEADS))
+           + [dmod.launch_splits(q, pool[0][0], pool[0][2], -1)],
            "default_fraction": kv_bytes / base / ceil["read_bytes_per_s"], "best": best, "all": results}
     if best:
         row["best_fraction"] = kv_bytes / (best["us"] * 1e-6) / ceil["read_bytes_per_s"]
@@ -93,8 +94,9 @@ def main() -> None:
               f"({100 * row['default_fraction']:.0f}%), best {best and best['config']} "
               f"{best and round(best['us'], 1)} us ({100 * row.get('best_fraction', 0):.0f}%)", flush=True)
         torch.cuda.empty_cache()
-    Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "rows": rows},
-                                         indent=1))
+        # after every shape, so a run cut short by a time limit keeps what it measured
+        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "rows": rows},
+                                             indent=1))
 
 
 if __name__ == "__main__":

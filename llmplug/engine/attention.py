@@ -24,7 +24,7 @@ RUNTIME_ATTR = "_llmplug_runtime"
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                     softcap: float | None = None, stored: bool = False, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Store ``k, v`` into the pages (unless ``stored``: the caller already did) and attend.
 
     Args:
@@ -32,10 +32,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         k_cache, v_cache: ``(num_blocks, P, Hkv, D)`` this layer's pages (model dtype, or fp8/int8).
         meta: the step's :class:`AttentionMetadata`.
         k_scale, v_scale: ``(num_blocks, Hkv, P)`` fp32 scales of fp8/int8 pages; None otherwise.
-        out: ``(T, H, D)`` to write the result into (last dim contiguous); None: a new tensor.
 
     Returns:
-        ``(T, H, D)``: ``out``, or a new contiguous tensor.
+        ``(T, H, D)``, a new contiguous tensor.
     """
     window = -1 if sliding_window is None else int(sliding_window)
     cap = 0.0 if softcap is None else float(softcap)
@@ -47,20 +46,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     # combining through the cache's counters (benchmarks/results/..._hf_path_split_counters_de76ea3.json); only the
     # fused kernel, which reads its first tile before the PDL wait, gained from that (rope_paged_attention).
     if meta.is_decode:
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, out=out,
-                                **scales)
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, **scales)
     if meta.token_seq_lens is not None:  # a short uniform step: every token a decode row attending up to itself
         return decode_attention(q, k_cache, v_cache, meta.token_block_tables, meta.token_seq_lens, scale, window, cap,
-                                out=out, **scales)
+                                **scales)
     nd = meta.num_decodes
     if nd == 0:
         return prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                 meta.max_seqlen_q, scale, window, cap, out=out, **scales)
+                                 meta.max_seqlen_q, scale, window, cap, **scales)
     # a mixed step: one-token rows on the decode kernel (one K/V read per head group), the rest on the prefill kernel
     # (whose sequences start at row cu_seqlens_q[nd]), each writing its rows of one output. In a captured step
     # (:mod:`~llmplug.engine.packed_graphs`) the first nd rows include padding ones (seq_lens 0): the decode kernel
     # zeroes them, then the prefill kernel writes the rows that are really its own.
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens, scale, window, cap,
                      out=out[:nd], _num_splits=meta.num_splits, **scales)
     if nd < meta.block_tables.shape[0]:

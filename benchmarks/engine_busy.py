@@ -1,5 +1,5 @@
-"""Where an Engine run's time goes: wall against GPU busy time (union of kernel intervals), kernel time by kind, and
-the host time of each runner path (graph replays, packed-step graphs, eager forwards).
+"""Where an Engine run's time goes: wall against GPU busy time (union of kernel intervals) and its idle gaps by size,
+kernel time by kind, and the host time of each runner path (graph replays, packed-step graphs, eager forwards).
 
 Usage: python benchmarks/engine_busy.py [MODEL [SCALE [WORKLOADS]]]   e.g. llama-1b 1.0 a,b,c
 Each workload runs twice after the throughput benchmark's warm-up: unprofiled (wall, % of floor), then under the
@@ -49,16 +49,23 @@ def timed(host, calls, owner, name, label):
     setattr(owner, name, wrapper)
 
 
-def busy_seconds(events) -> float:
+def busy_and_gaps(events) -> tuple[float, dict]:
+    """Seconds the GPU ran any kernel (the union of the kernels' intervals), and its idle gaps between the first and
+    last kernel by size: ``{">= 0.1 ms": (count, s), ">= 1 ms": (count, s), "all": (count, s)}``."""
     spans = sorted((e.time_range.start, e.time_range.start + e.device_time) for e in events)
-    total, lo, hi = 0.0, None, None
+    total, lo, hi, gaps = 0.0, None, None, []
     for s, e in spans:
         if hi is None or s > hi:
-            total += 0 if hi is None else hi - lo
+            if hi is not None:
+                total += hi - lo
+                gaps.append(s - hi)
             lo, hi = s, e
         else:
             hi = max(hi, e)
-    return (total + (0 if hi is None else hi - lo)) * 1e-6
+    total += 0 if hi is None else hi - lo
+    by_size = {label: (len(g), sum(g) * 1e-6) for label, g in (
+        ("all", gaps), (">= 0.1 ms", [g for g in gaps if g >= 100]), (">= 1 ms", [g for g in gaps if g >= 1000]))}
+    return total * 1e-6, by_size
 
 
 def main() -> None:
@@ -94,13 +101,14 @@ def main() -> None:
         _drop(engine)
         gc.collect()
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy, gaps = busy_and_gaps(kernels)
         by_kind, by_name = collections.Counter(), collections.Counter()
         for e in kernels:
             by_kind[kind(e.name)] += e.device_time * 1e-6
             by_name[e.name[:60]] += e.device_time * 1e-6
         run = {"wall_s": rec["wall_s"], "fraction_of_floor": rec["fraction_of_floor"],
                "floor_s": rec["floor"]["floor_s"], "profiled_wall_s": profiled["wall_s"],
-               "gpu_busy_s": busy_seconds(kernels),
+               "gpu_busy_s": busy, "gpu_idle_gaps": gaps,
                "steps": rec["stats"].get("steps"), "kernel_s_by_kind": dict(by_kind.most_common()),
                "kernel_s_top": dict(by_name.most_common(12)),
                "host_s_by_path": {p: {"calls": calls[p], "host_s": host[p]} for p in calls}}

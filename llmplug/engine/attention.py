@@ -34,7 +34,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         k_scale, v_scale: ``(num_blocks, Hkv, P)`` fp32 scales of fp8/int8 pages; None otherwise.
 
     Returns:
-        ``(T, H, D)``, a new contiguous tensor.
+        ``(T, H, D)`` contiguous.
     """
     window = -1 if sliding_window is None else int(sliding_window)
     cap = 0.0 if softcap is None else float(softcap)
@@ -111,8 +111,8 @@ def hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if query.shape[0] != 1:
         raise RuntimeError(f"llmplug packs tokens into batch 1, got query batch {query.shape[0]}")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     k_cache, v_cache, k_scale, v_scale = runtime.cache.layer(module.layer_idx)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = paged_attention(q, k, v, k_cache, v_cache, runtime.meta, scale, sliding_window, softcap, k_scale=k_scale,
                           v_scale=v_scale)
     return out.unsqueeze(0), None

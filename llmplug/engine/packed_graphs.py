@@ -103,18 +103,14 @@ class PackedGraphs:
         input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         positions = torch.zeros(n, dtype=torch.long, device=dev)
         meta = padded_metadata(n, decodes, seqs, runner.max_blocks_per_seq, dev)
-        runner.ensure_cache()
+
+        def body():
+            with programmatic_launch():
+                return self.decoder.body(runner, input_ids, positions)
+
         runner.meta = meta
         try:
-            stream = torch.cuda.Stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream), programmatic_launch():
-                for _ in range(2):  # warm up: Triton and Dynamo compile, cuBLAS picks kernels
-                    self.decoder.body(runner, input_ids, positions)
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=runner._graph_pool()), programmatic_launch():
-                hidden, residual = self.decoder.body(runner, input_ids, positions)
+            graph, (hidden, residual) = runner.capture_graph(body)
         finally:
             runner.meta = None
         return _Graph(graph, input_ids, positions, meta, hidden, residual)

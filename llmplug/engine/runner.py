@@ -225,16 +225,15 @@ class ModelRunner:
         packed = None
         if self.packed_graphs is not None and not self.aux_layers:
             packed = self.packed_graphs.bucket(meta, tokens)
-        return self._forward(ctx.input_ids, positions, meta, ctx.logits_indices, packed)
+        if packed is not None:
+            return self.packed_graphs.run(ctx.input_ids, positions, meta, ctx.logits_indices, packed)
+        return self._forward(ctx.input_ids, positions, meta, ctx.logits_indices)
 
     @torch.inference_mode()
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits_indices: torch.Tensor | None, packed: int | None = None) -> torch.Tensor:
-        """Eager forward, or the packed-step graph of bucket ``packed``: ``input_ids, positions (T,)`` -> logits
-        ``(R, V)`` of the rows ``logits_indices``."""
+                 logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """Eager forward: ``input_ids, positions (T,)`` -> logits ``(R, V)`` of the rows ``logits_indices``."""
         self.ensure_cache()
-        if packed is not None:
-            return self.packed_graphs.run(input_ids, positions, meta, logits_indices, packed)
         self.meta = meta
         try:
             with programmatic_launch():  # the step's kernels may overlap their predecessors' tails (weights are fixed)
@@ -481,20 +480,26 @@ class ModelRunner:
         return self._capture(self._key("prefill", tokens), buf,
                              lambda: self._forward(buf["input_ids"], buf["positions"], meta, buf["logits_indices"]))
 
-    def _capture(self, key, buf: dict[str, torch.Tensor], step):
-        """Warm ``step`` up on a side stream, capture it into a graph sharing one memory pool, keep its outputs (the
-        logits, and the captured layer inputs while :meth:`capture_aux` is on)."""
+    def capture_graph(self, step) -> tuple[torch.cuda.CUDAGraph, object]:
+        """Warm ``step`` up twice on a side stream (Triton and Dynamo compile, cuBLAS picks kernels, lazy buffers are
+        made), then capture it into a graph of the runner's memory pool -> ``(graph, what step returned)``."""
         self.ensure_cache()
         dev = self.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels, lazy buffers are made
+            for _ in range(2):
                 step()
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool()):
-            buf["logits"] = step()
+            out = step()
+        return graph, out
+
+    def _capture(self, key, buf: dict[str, torch.Tensor], step):
+        """:meth:`capture_graph` of ``step``, keeping its outputs (the logits, and the captured layer inputs while
+        :meth:`capture_aux` is on)."""
+        graph, buf["logits"] = self.capture_graph(step)
         if self.aux_layers:
             buf["aux"] = self.aux_hidden
         self._graphs[key] = (graph, buf)

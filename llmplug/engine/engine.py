@@ -25,6 +25,7 @@ from .engine_spec import EngineSpeculation
 from .engine_tp import RankZeroMixin, RankZeroRequests, check_params
 from .host_read import HostRead
 from .metrics import EngineMetrics
+from .page_table import PageTable
 from .params import EngineConfig, SamplingParams
 from .request import CompletionOutput, Request, RequestOutput, Sequence, Status, StreamDelta
 from .sampler import sample
@@ -85,6 +86,7 @@ class Engine(ServingMixin, RankZeroMixin):
         if self.config.preemption_mode == "swap":
             swap = SwapSpace.sized(self.cache, self.config.swap_space_gb)
         self.scheduler = Scheduler(self.config, self.blocks, swap, copy_block=self.cache.copy_block)
+        self.page_table = PageTable(2 * self.config.max_num_seqs + 1, self.runner.device)  # steps' block tables
         self.metrics = EngineMetrics(self.config)
         self.vocab_size = model.get_output_embeddings().out_features  # nn.Linear or a quantized lm_head
         gen = model.generation_config
@@ -293,7 +295,9 @@ class Engine(ServingMixin, RankZeroMixin):
         logits come back instead of one a sampled row."""
         for slots, blocks in plan.swap_in:
             self.scheduler.swap.swap_in(slots, blocks)
-        ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device, num_logits=num_logits)
+        tables = self.page_table.rows([s.blocks for s in plan.seqs])
+        ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device, block_tables=tables,
+                         num_logits=num_logits)
         self._fill_placeholders(ctx, plan)
         logits = self.runner.step(ctx)
         rows = [i for i, (s, n) in enumerate(zip(plan.seqs, plan.num_new)) if s.num_computed + n == s.num_tokens]

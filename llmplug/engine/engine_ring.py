@@ -26,7 +26,7 @@ import torch
 
 from ..ops.greedy_step import greedy_step
 from .request import RequestOutput, Sequence, Status
-from .step import block_table, build_step, to_device
+from .step import build_step, to_device
 
 
 def _plain_greedy(seq: Sequence) -> bool:
@@ -102,7 +102,7 @@ class EngineRing:
         row's ``num_computed`` advances by ``n``."""
         runner = self.engine.runner
         dev, rows = runner.device, len(seqs)
-        tables = block_table([s.blocks for s in seqs], dev)
+        tables = self.engine.page_table.rows([s.blocks for s in seqs])
         ids, positions = to_device(torch.tensor([[s.tokens[-1] for s in seqs], [s.num_computed for s in seqs]]), dev)
         graph_buf = runner.greedy_graph(rows)
         if graph_buf is not None:

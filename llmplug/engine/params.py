@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -172,6 +173,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalty and no minimum length: the argmax of the logits as they come."""
+        return self.greedy and not self.penalised and not self.min_new_tokens
 
     @property
     def penalised(self) -> bool:

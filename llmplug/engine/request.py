@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kv.prefix_cache import ROOT, BlockManager
+from .page_table import PageList
 from .params import SamplingParams
 
 
@@ -30,7 +31,7 @@ class Sequence:
         self.prompt_len = request.prompt_len
         self.num_computed = 0
         self.resolved = len(tokens)  # leading tokens the host knows (the rest are placeholders of in-flight steps)
-        self.blocks: list[int] = []
+        self.blocks = PageList()
         self.entry_ids: list[int] = []  # prefix-cache entry id of each registered full block, in order
         self.swap_slots: list[int] = []
         self.status = Status.WAITING
@@ -44,6 +45,16 @@ class Sequence:
         self.generator: torch.Generator | None = None  # made on the logits' device at the first sample
         self.spec_drafted = self.spec_accepted = self.spec_steps = 0  # speculation: drafts, accepted, verify steps
         self.spec_policy = None  # its AdaptiveK while it speculates adaptively
+
+    @property
+    def blocks(self) -> PageList:
+        """The page id of each of its KV blocks, in order (a :class:`PageList`: the Engine's device table copies only
+        what changed)."""
+        return self._blocks
+
+    @blocks.setter
+    def blocks(self, pages: list[int]) -> None:
+        self._blocks = PageList(pages)
 
     @property
     def num_tokens(self) -> int:

@@ -98,7 +98,7 @@ def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Next token of each row: ``logits (B, V)`` (row ``i`` belongs to ``seqs[i]``) -> ``(B,)`` int64 on device."""
-    plain = all(s.request.params.greedy and not s.request.params.penalised
+    plain = all(s.request.params.plain_greedy or s.request.params.greedy and not s.request.params.penalised
                 and s.num_output >= s.request.params.min_new_tokens for s in seqs)
     if plain:
         return logits.argmax(-1)

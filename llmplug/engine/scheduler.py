@@ -102,21 +102,26 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        decodes, prefills = [], []
+        for s in self.running:
+            left = len(s.tokens) - s.num_computed
+            if left == 1:
+                decodes.append(s)
+            elif left > 1:
+                prefills.append(s)
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted for an earlier sequence
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(len(seq.tokens) - seq.num_computed, budget)
             if self._reserve(seq, n, plan):
                 plan.seqs.append(seq)
                 plan.num_new.append(n)
                 budget -= n
-        if not plan.preempted:
+        if not plan.preempted and self.swapped:
             budget = self._swap_in(plan, budget)
-        if not plan.preempted and not self.swapped:
+        if not plan.preempted and not self.swapped and self.waiting:
             self._admit(plan, budget)
         return plan
 
@@ -144,8 +149,9 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is seq:
                 return False
-        self._copy_on_write(seq, plan)
-        self._grow(seq, n)
+        if need:  # nothing to copy nor to grow otherwise
+            self._copy_on_write(seq, plan)
+            self._grow(seq, n)
         return True
 
     def _pages(self, num_tokens: int) -> int:

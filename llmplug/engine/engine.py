@@ -9,6 +9,7 @@ to ``EngineConfig.greedy_ring`` decode steps whose tokens the host reads once (:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -31,7 +32,7 @@ from .request import CompletionOutput, Request, RequestOutput, Sequence, Status,
 from .sampler import sample
 from .scheduler import Scheduler, StepPlan
 from .serving import Prompt, ServingMixin
-from .step import StepContext, build_step, to_device
+from .step import StepContext, build_step, device_tensor, to_device
 from .warmup import compile_attention_variants
 
 _PLACEHOLDER = -1  # a sampled token the host has not seen yet
@@ -54,8 +55,12 @@ class _Pending:
 
     def __init__(self, seqs: list[Sequence], indices: list[int], tokens: torch.Tensor) -> None:
         self.seqs, self.indices, self.tokens = seqs, indices, tokens
-        self.row_of = {id(s): r for r, s in enumerate(seqs)}
         self.read = HostRead(tokens)
+
+    @functools.cached_property
+    def row_of(self) -> dict[int, int]:
+        """``id(seq)`` -> its row in ``tokens``."""
+        return {id(s): r for r, s in enumerate(self.seqs)}
 
     def values(self) -> list[int]:
         return self.read.values()
@@ -263,7 +268,7 @@ class Engine(ServingMixin, RankZeroMixin):
         forks = self._fork(seqs)
         if forks:
             picks = list(range(len(seqs))) + [seqs.index(parent) for parent, _ in forks]
-            logits = logits[torch.tensor(picks, device=logits.device)]
+            logits = logits[device_tensor(picks, logits.device)]
             seqs += [child for _, child in forks]
         tokens = sample(logits, seqs)
         if self.runner.tp is not None and not all(s.request.params.greedy for s in seqs):
@@ -296,13 +301,19 @@ class Engine(ServingMixin, RankZeroMixin):
         for slots, blocks in plan.swap_in:
             self.scheduler.swap.swap_in(slots, blocks)
         tables = self.page_table.rows([s.blocks for s in plan.seqs])
-        ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device, block_tables=tables,
-                         num_logits=num_logits)
-        self._fill_placeholders(ctx, plan)
+        pending = self._pending
+        if pending is not None and plan.seqs == pending.seqs and plan.num_tokens == len(plan.seqs):
+            # a decode step of the rows the previous step sampled, in its order: its tokens are the input
+            ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device, block_tables=tables,
+                             input_ids=pending.tokens, num_logits=num_logits)
+        else:
+            ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device, block_tables=tables,
+                             num_logits=num_logits)
+            self._fill_placeholders(ctx, plan)
         logits = self.runner.step(ctx)
         rows = [i for i, (s, n) in enumerate(zip(plan.seqs, plan.num_new)) if s.num_computed + n == s.num_tokens]
         if num_logits is None and rows and len(rows) < len(plan.seqs):
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[device_tensor(rows, logits.device)]
         return logits, rows
 
     def _fill_placeholders(self, ctx: StepContext, plan: StepPlan) -> None:

@@ -35,6 +35,7 @@ from .request import RequestOutput, Sequence, Status
 from .runner import MAX_GRAPH_QUERY
 from .sampler import generator_of, sampling_probs
 from .scheduler import StepPlan
+from .step import device_tensor
 
 # A filled step's graph keeps every token's logits, (tokens, vocab), captured mid-serving after the KV pool took its
 # memory: at most this many tokens (64 MB of bf16 logits at a 128k vocabulary) a graph. Not measured yet.
@@ -161,7 +162,7 @@ class EngineSpeculation:
         sampled = [i for i in rows if not drafts[i]]
         if not sampled:
             return None
-        picks = torch.tensor([starts[i] for i in sampled], device=logits.device)
+        picks = device_tensor([starts[i] for i in sampled], logits.device)
         return engine._sample_rows([plan.seqs[i] for i in sampled], logits[picks])
 
     def _propose(self, plan: StepPlan) -> list[list[int]]:

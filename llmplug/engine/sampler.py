@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .request import Sequence
+from .step import device_tensor, to_device
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -18,7 +19,7 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     out = torch.full((len(rows), max(max(map(len, rows)), 1)), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    return out.to(device)
+    return to_device(out, device)
 
 
 def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -32,21 +33,21 @@ def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             logits[i, list(s.request.stop_ids)] = -float("inf")
     rep = [i for i, s in enumerate(seqs) if s.request.params.repetition_penalty != 1.0]
     if rep:
-        rows = torch.tensor(rep, device=dev)
+        rows = device_tensor(rep, dev)
         ids = _padded([seqs[i].tokens for i in rep], vocab, dev)
-        penalty = torch.tensor([seqs[i].request.params.repetition_penalty for i in rep], device=dev)[:, None]
+        penalty = device_tensor([seqs[i].request.params.repetition_penalty for i in rep], dev)[:, None]
         work = torch.nn.functional.pad(logits[rows], (0, 1))
         score = work.gather(1, ids)
         work.scatter_(1, ids, torch.where(score < 0, score * penalty, score / penalty))
         logits[rows] = work[:, :vocab]
     add = [i for i, s in enumerate(seqs) if s.request.params.frequency_penalty or s.request.params.presence_penalty]
     if add:
-        rows = torch.tensor(add, device=dev)
+        rows = device_tensor(add, dev)
         ids = _padded([seqs[i].output_ids for i in add], vocab, dev)
         counts = torch.zeros(len(add), vocab + 1, device=dev).scatter_add_(1, ids, torch.ones(ids.shape, device=dev))
         counts = counts[:, :vocab]
-        freq = torch.tensor([seqs[i].request.params.frequency_penalty for i in add], device=dev)[:, None]
-        pres = torch.tensor([seqs[i].request.params.presence_penalty for i in add], device=dev)[:, None]
+        freq, pres = device_tensor([[seqs[i].request.params.frequency_penalty for i in add],
+                                    [seqs[i].request.params.presence_penalty for i in add]], dev)[:, :, None]
         logits[rows] -= freq * counts + pres * (counts > 0)
 
 
@@ -55,10 +56,9 @@ def _filtered(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor,
     ``(probs, order)``, both ``(R, V)`` in descending logit order (``order`` maps them back to token ids)."""
     dev = logits.device
     params = [s.request.params for s in seqs]
-    temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]
-    top_k = torch.tensor([p.top_k or logits.shape[1] for p in params], device=dev)[:, None]
-    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
-    min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+    temp, top_p, min_p = device_tensor([[p.temperature for p in params], [p.top_p for p in params],
+                                        [p.min_p for p in params]], dev)[:, :, None]
+    top_k = device_tensor([p.top_k or logits.shape[1] for p in params], dev)[:, None]
     ordered, order = torch.sort(logits / temp, dim=-1, descending=True)
     rank = torch.arange(logits.shape[1], device=dev)[None]
     ordered = ordered.masked_fill(rank >= top_k, -float("inf"))
@@ -107,6 +107,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     tokens = logits.argmax(-1)
     drawn = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
     if drawn:
-        rows = torch.tensor(drawn, device=logits.device)
+        rows = device_tensor(drawn, logits.device)
         tokens[rows] = _filter_and_draw(logits[rows], [seqs[i] for i in drawn])
     return tokens

@@ -55,6 +55,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
+def device_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device`` without stalling the host: ``torch.tensor(values, device=cuda)`` waits
+    for the stream's queued work (a blocking copy from pageable memory), which breaks the Engine's step ahead."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
 def block_table(blocks: list[list[int]], device: torch.device) -> torch.Tensor:
     """``(B, longest)`` int32 page ids of each sequence (``blocks[b]``), zero-padded, on ``device``."""
     width = max(map(len, blocks))

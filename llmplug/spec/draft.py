@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.runner import MAX_GRAPH_QUERY
-from ..engine.step import block_table, build_step
+from ..engine.step import block_table, build_step, device_tensor
 
 
 def check_draft_model(draft: torch.nn.Module, target: torch.nn.Module, name: str) -> None:
@@ -73,7 +73,7 @@ def draft_greedy(runner, seqs: list, ks: list[int], block_size: int, device: tor
     if order != list(range(count)):
         seqs, ks, num_new = [seqs[i] for i in order], [ks[i] for i in order], [num_new[i] for i in order]
         if block_tables is not None:
-            block_tables = block_tables[torch.tensor(order, device=block_tables.device)]
+            block_tables = block_tables[device_tensor(order, block_tables.device)]
     if block_tables is None:
         block_tables = block_table([s.blocks for s in seqs], device)
     q = num_new[0] if all(n == num_new[0] for n in num_new) else 0

@@ -255,9 +255,11 @@ class Engine(ServingMixin, RankZeroMixin):
 
     def _advance(self, plan: StepPlan) -> None:
         """Count the step's tokens as computed and cache the blocks they filled."""
+        P = self.block_size
         for seq, n in zip(plan.seqs, plan.num_new):
             seq.num_computed += n
-            seq.register_full_blocks(self.blocks)
+            if min(seq.num_computed, seq.resolved) >= (len(seq.entry_ids) + 1) * P:  # (the call is the costly part)
+                seq.register_full_blocks(self.blocks)
         self.metrics.on_step(plan)
 
     def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> _Pending | None:
@@ -284,15 +286,17 @@ class Engine(ServingMixin, RankZeroMixin):
         """Wait for the pending step's tokens, put them in place, check stop conditions, stream."""
         pending, self._pending = self._pending, None
         values = pending.values()
-        now = time.perf_counter()
+        now, P, count = time.perf_counter(), self.block_size, 0
         for seq, index, token in zip(pending.seqs, pending.indices, values):
             if seq.status is Status.FINISHED:  # stopped a step earlier: this extra token is dropped
                 continue
+            count += 1
             seq.tokens[index] = token
             seq.resolved = index + 1
-            self.metrics.output_tokens += 1
-            seq.register_full_blocks(self.blocks)
+            if min(seq.num_computed, seq.resolved) >= (len(seq.entry_ids) + 1) * P:  # a block newly full and known
+                seq.register_full_blocks(self.blocks)
             self._check_stop(seq, token, now, finished)
+        self.metrics.output_tokens += count
 
     def _execute(self, plan: StepPlan, num_logits: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Swap-ins and the forward -> ``(logits (R, V), rows)``: ``rows`` index the sequences whose step reaches their
@@ -311,7 +315,7 @@ class Engine(ServingMixin, RankZeroMixin):
                              num_logits=num_logits)
             self._fill_placeholders(ctx, plan)
         logits = self.runner.step(ctx)
-        rows = [i for i, (s, n) in enumerate(zip(plan.seqs, plan.num_new)) if s.num_computed + n == s.num_tokens]
+        rows = [i for i, (s, n) in enumerate(zip(plan.seqs, plan.num_new)) if s.num_computed + n == len(s.tokens)]
         if num_logits is None and rows and len(rows) < len(plan.seqs):
             logits = logits[device_tensor(rows, logits.device)]
         return logits, rows

@@ -179,7 +179,7 @@ class SamplingParams:
         """Greedy with no penalty and no minimum length: the argmax of the logits as they come."""
         return self.greedy and not self.penalised and not self.min_new_tokens
 
-    @property
+    @functools.cached_property
     def penalised(self) -> bool:
         """Whether a repetition, frequency or presence penalty reads the earlier tokens."""
         return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)

@@ -143,7 +143,7 @@ class Scheduler:
         while too few are free; False if ``seq`` itself had to be preempted."""
         while True:
             need = self._blocks_needed(seq, n)
-            if need <= self.blocks.num_free:
+            if not need or need <= self.blocks.num_free:
                 break
             victim = self.running[-1]
             self._preempt(victim, plan)
@@ -163,10 +163,10 @@ class Scheduler:
         return self.blocks.num_free - (self._watermark() if self.running else 0)
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        P = self.block_size
-        grow = self._pages(seq.num_computed + n) - len(seq.blocks)
-        cow = seq.num_computed % P != 0 and self.blocks.is_shared(seq.blocks[seq.num_computed // P])
-        return max(grow, 0) + int(cow)
+        P, done = self.block_size, seq.num_computed
+        grow = -(-(done + n) // P) - len(seq.blocks)
+        cow = done % P != 0 and self.blocks.ref[seq.blocks[done // P]] > 1  # a shared last block (is_shared)
+        return max(grow, 0) + cow
 
     def _copy_on_write(self, seq: Sequence, plan: StepPlan) -> None:
         P = self.block_size

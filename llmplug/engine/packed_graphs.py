@@ -96,7 +96,23 @@ class PackedGraphs:
             self.unsupported = f"capturing its layers failed: {type(error).__name__}: {error}"
             warnings.warn(f"llmplug runs this model's packed steps eagerly ({self.unsupported})", stacklevel=2)
         self._graphs = dict(sorted(self._graphs.items()))  # bucket() takes the first that fits: the smallest
+        if self._graphs:
+            self._warm_head(max_seqs)
         return self.token_buckets
+
+    @torch.inference_mode()
+    def _warm_head(self, max_rows: int) -> None:
+        """Run the eager head once on every row count a packed step can ask logits for (1 .. ``max_rows``).
+
+        cuBLAS picks its kernel by the row count, and CUDA loads a kernel on its first launch, which waits for the
+        GPU to finish the work queued before it: mid-run, a packed step's first head of a new row count stalled the
+        host until the step's graph was done. NOTE: H100, 1B workload (a), 20 of 35 packed steps stalled 13-28 ms
+        (BENCHMARKS.md, "Engine host time per step")."""
+        g = self._graphs[max(self._graphs, key=lambda key: key[0])]  # the widest buffers
+        with programmatic_launch():
+            for rows in range(1, min(max_rows, g.hidden.shape[0]) + 1):
+                self.decoder.head(g.hidden[:rows], None if g.residual is None else g.residual[:rows], None)
+        torch.cuda.synchronize(self.runner.device)
 
     def _capture(self, n: int, decodes: int, seqs: int) -> _Graph:
         runner, dev = self.runner, self.runner.device

@@ -56,6 +56,7 @@ class _Pending:
     def __init__(self, seqs: list[Sequence], indices: list[int], tokens: torch.Tensor) -> None:
         self.seqs, self.indices, self.tokens = seqs, indices, tokens
         self.read = HostRead(tokens)
+        self.positions: torch.Tensor | None = None  # (R,) on the device: a decode step of exactly these rows, theirs
 
     @functools.cached_property
     def row_of(self) -> dict[int, int]:
@@ -249,9 +250,12 @@ class Engine(ServingMixin, RankZeroMixin):
 
     def _launch(self, plan: StepPlan) -> _Pending | None:
         """Run ``plan`` and sample on the device; each sampled sequence gets a placeholder token until resolved."""
-        logits, rows = self._execute(plan)
+        logits, rows, ctx = self._execute(plan)
         self._advance(plan)
-        return self._sample_rows([plan.seqs[i] for i in rows], logits)
+        pending = self._sample_rows([plan.seqs[i] for i in rows], logits)
+        if pending is not None and ctx.query_len == 1 and len(pending.seqs) == len(plan.seqs):
+            pending.positions = ctx.positions  # the next step of these rows continues from them, on the device
+        return pending
 
     def _advance(self, plan: StepPlan) -> None:
         """Count the step's tokens as computed and cache the blocks they filled."""
@@ -298,18 +302,21 @@ class Engine(ServingMixin, RankZeroMixin):
             self._check_stop(seq, token, now, finished)
         self.metrics.output_tokens += count
 
-    def _execute(self, plan: StepPlan, num_logits: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
-        """Swap-ins and the forward -> ``(logits (R, V), rows)``: ``rows`` index the sequences whose step reaches their
-        last known token, the ones to sample; ``num_logits`` (speculation) says how many of each row's last tokens'
-        logits come back instead of one a sampled row."""
+    def _execute(self, plan: StepPlan, num_logits: list[int] | None = None) -> tuple[torch.Tensor, list[int],
+                                                                                    StepContext]:
+        """Swap-ins and the forward -> ``(logits (R, V), rows, step)``: ``rows`` index the sequences whose step reaches
+        their last known token, the ones to sample; ``num_logits`` (speculation) says how many of each row's last
+        tokens' logits come back instead of one a sampled row."""
         for slots, blocks in plan.swap_in:
             self.scheduler.swap.swap_in(slots, blocks)
         tables = self.page_table.rows([s.blocks for s in plan.seqs])
         pending = self._pending
         if pending is not None and plan.seqs == pending.seqs and plan.num_tokens == len(plan.seqs):
-            # a decode step of the rows the previous step sampled, in its order: its tokens are the input
+            # a decode step of the rows the previous step sampled, in its order: its tokens are the input (and, after a
+            # decode step of the same rows, its positions follow theirs), all on the device
+            positions = None if pending.positions is None else pending.positions + 1
             ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device, block_tables=tables,
-                             input_ids=pending.tokens, num_logits=num_logits)
+                             input_ids=pending.tokens, positions=positions, num_logits=num_logits)
         else:
             ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device, block_tables=tables,
                              num_logits=num_logits)
@@ -318,7 +325,7 @@ class Engine(ServingMixin, RankZeroMixin):
         rows = [i for i, (s, n) in enumerate(zip(plan.seqs, plan.num_new)) if s.num_computed + n == len(s.tokens)]
         if num_logits is None and rows and len(rows) < len(plan.seqs):
             logits = logits[device_tensor(rows, logits.device)]
-        return logits, rows
+        return logits, rows, ctx
 
     def _fill_placeholders(self, ctx: StepContext, plan: StepPlan) -> None:
         """Overwrite, on the device, the input ids of one-token rows whose token the previous step sampled."""

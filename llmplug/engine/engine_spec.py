@@ -143,7 +143,7 @@ class EngineSpeculation:
         ends = [s.num_computed + n == s.num_tokens for s, n in zip(plan.seqs, plan.num_new)]
         counts = [(1 + len(d) + f) if end else 0 for d, f, end in zip(drafts, fill, ends)]
         firsts = [s.num_computed for s in plan.seqs]
-        logits, rows = engine._execute(plan, num_logits=counts)
+        logits, rows, _ = engine._execute(plan, num_logits=counts)
         states = engine.runner.aux_hidden if eagles else None  # (T, A): every token's layer inputs, read below
         engine._advance(plan)
         starts = list(itertools.accumulate(counts, initial=0))

@@ -7,12 +7,10 @@ CUDA profiler. JSON to $OUT (or .).
 """
 
 import collections
-import functools
 import gc
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,17 +34,11 @@ def kind(name: str) -> str:
 
 
 def timed(host, calls, owner, name, label):
-    fn = getattr(owner, name)
+    def record(seconds):
+        host[label] += seconds
+        calls[label] += 1
 
-    @functools.wraps(fn)
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            host[label] += time.perf_counter() - t
-            calls[label] += 1
-    setattr(owner, name, wrapper)
+    timing.time_calls(owner, name, record)
 
 
 def busy_and_gaps(events) -> tuple[float, dict]:

@@ -11,7 +11,6 @@ Usage: python benchmarks/engine_phases.py [--model llama-1b|tiny] [--workloads a
 
 import argparse
 import collections
-import functools
 import gc
 import json
 import os
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import llmplug  # noqa: E402
-from llmplug.bench import shapes, workloads  # noqa: E402
+from llmplug.bench import shapes, timing, workloads  # noqa: E402
 from llmplug.bench.throughput import _drop, _greedy, warm_up  # noqa: E402
 from llmplug.engine import engine as engine_mod  # noqa: E402
 from llmplug.engine import host_read, packed_graphs, runner, scheduler  # noqa: E402
@@ -40,19 +39,13 @@ class Phases:
         self.total, self.worst = collections.defaultdict(float), collections.defaultdict(float)
 
     def wrap(self, owner, name: str, label: str | None = None) -> None:
-        fn, label = getattr(owner, name), label or name
+        label = label or name
 
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                self.total[label] += dt
-                self.worst[label] = max(self.worst[label], dt)
+        def record(seconds):
+            self.total[label] += seconds
+            self.worst[label] = max(self.worst[label], seconds)
 
-        setattr(owner, name, timed)
+        timing.time_calls(owner, name, record)
 
 
 def log_heads(calls: list) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +29,22 @@ def time_call(fn: Callable[[], object], device, repeats: int = 3, warmup: int = 
     q = sorted(samples)
     pick = lambda f: q[min(len(q) - 1, int(round(f * (len(q) - 1))))]  # noqa: E731
     return {"median": statistics.median(q), "p50": pick(0.5), "p95": pick(0.95), "p99": pick(0.99), "samples": q}
+
+
+def time_calls(owner, name: str, record: Callable[[float], None]) -> None:
+    """Wrap ``owner.name`` (a function of a module or class) so that each call reports its host seconds to ``record``
+    (benchmarks that split a run's host time by call site)."""
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - t0)
+
+    setattr(owner, name, timed)
 
 
 def graph_time(fn: Callable[[torch.Tensor], object], copies: list, reps: int = 8, replays: int = 5) -> float:

@@ -87,3 +87,24 @@ def test_no_runtime_module_imports_the_api():
             if isinstance(node, ast.ImportFrom):
                 names = {node.module or ""} | {a.name for a in node.names}
                 assert "api" not in names and not (node.module or "").endswith(".api"), (path.name, node.lineno)
+
+
+STEP_MODULES = ("engine", "engine_spec", "engine_ring", "engine_draft", "engine_eagle", "sampler", "scheduler", "step",
+                "page_table", "packed_graphs", "request")
+
+
+def test_the_engine_step_makes_no_blocking_host_copy():
+    """``torch.tensor(values, device=...)`` and ``.to(device)`` of host data wait for the GPU stream (a pageable copy),
+    which would stall the Engine's step-ahead pipeline: its step modules send host data with ``device_tensor`` /
+    ``to_device`` (pinned memory, non-blocking)."""
+    for name in STEP_MODULES:
+        path = PACKAGE / "engine" / f"{name}.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            call, kwargs = node.func, {k.arg for k in node.keywords}
+            if call.attr in ("tensor", "as_tensor") and "device" in kwargs:
+                raise AssertionError(f"{path.name}:{node.lineno} torch.{call.attr}(..., device=...) blocks the host")
+            to_device = node.args and "dev" in ast.unparse(node.args[0])  # (a dtype conversion stays on the device)
+            if call.attr == "to" and to_device and "non_blocking" not in kwargs and name != "step":
+                raise AssertionError(f"{path.name}:{node.lineno} .to(...) without non_blocking may block the host")

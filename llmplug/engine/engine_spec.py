@@ -249,17 +249,17 @@ class EngineSpeculation:
         and the accepted drafts)."""
         engine, dev = self.engine, logits.device
         k = max(map(len, drafts))
-        index = torch.tensor([[s + min(j, len(d)) for j in range(k + 1)] for s, d in zip(starts, drafts)], device=dev)
+        index = device_tensor([[s + min(j, len(d)) for j in range(k + 1)] for s, d in zip(starts, drafts)], dev)
         block = logits[index]  # (R, k + 1, V); a row's positions past its drafts repeat its last one (never used)
-        drafted = torch.tensor([d + [0] * (k - len(d)) for d in drafts], device=dev)
-        counts = torch.tensor([len(d) for d in drafts], device=dev)
+        drafted = device_tensor([d + [0] * (k - len(d)) for d in drafts], dev)
+        counts = device_tensor([len(d) for d in drafts], dev)
         out = torch.empty((len(seqs), k + 2), dtype=torch.long, device=dev)
         greedy = [i for i, s in enumerate(seqs) if s.request.params.greedy]
         sampled = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
         for group in (greedy, sampled):
             if not group:
                 continue
-            rows = torch.tensor(group, device=dev)
+            rows = device_tensor(group, dev)
             if group is greedy:
                 tokens, emitted = greedy_accept(block[rows], drafted[rows], counts[rows])
             else:  # exact rejection sampling; the drafts are deterministic (prompt lookup, greedy draft model)

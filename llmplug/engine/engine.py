@@ -56,7 +56,8 @@ class _Pending:
     def __init__(self, seqs: list[Sequence], indices: list[int], tokens: torch.Tensor) -> None:
         self.seqs, self.indices, self.tokens = seqs, indices, tokens
         self.read = HostRead(tokens)
-        self.positions: torch.Tensor | None = None  # (R,) on the device: a decode step of exactly these rows, theirs
+        # (R,) on the device when the step decoded exactly these rows: their positions in it (the next step's minus 1)
+        self.positions: torch.Tensor | None = None
 
     @functools.cached_property
     def row_of(self) -> dict[int, int]:

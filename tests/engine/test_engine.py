@@ -125,6 +125,27 @@ def test_continuous_batching_matches_stock_generate(family):
     assert_all_blocks_back(engine)
 
 
+def test_steady_decode_steps_take_their_inputs_on_the_device(monkeypatch):
+    """Decode steps of the rows the previous decode step sampled take its tokens and positions (+1) on the device
+    and resend only changed page-table entries; outputs stay stock HF's, across pages filling up (block size 8)."""
+    from llmplug.engine import engine as engine_mod
+
+    stock, engine = make_engine("llama", num_blocks=64)
+    rows = prompts(4, lengths=(5, 11, 3, 7))
+    want = [hf_greedy(stock, p, 20) for p in rows]
+    kinds, build = [], engine_mod.build_step
+
+    def recorded(*args, **kwargs):
+        kinds.append(kwargs.get("positions") is not None)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "build_step", recorded)
+    outs = engine.generate(rows, greedy(20), progress=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(kinds) >= 15, kinds  # all but the prompts' step and the first decode step
+    assert_all_blocks_back(engine)
+
+
 def test_model_eos_ids_stop_unless_ignored():
     stock = make_model("llama")
     stock.generation_config.eos_token_id = None

@@ -107,7 +107,7 @@ class PackedGraphs:
         cuBLAS picks its kernel by the row count, and CUDA loads a kernel on its first launch, which waits for the
         GPU to finish the work queued before it: mid-run, a packed step's first head of a new row count stalled the
         host until the step's graph was done. NOTE: H100, 1B workload (a), 20 of 35 packed steps stalled 13-28 ms
-        (BENCHMARKS.md, "Engine host time per step")."""
+        (BENCHMARKS.md, "Fifth session of 2026-11-27")."""
         g = self._graphs[max(self._graphs, key=lambda key: key[0])]  # the widest buffers
         with programmatic_launch():
             for rows in range(1, min(max_rows, g.hidden.shape[0]) + 1):

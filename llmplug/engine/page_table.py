@@ -1,9 +1,10 @@
 """The Engine's page tables on the device, updated by what changed instead of rebuilt every step.
 
 A step's ``block_tables (B, M)`` used to be built on the host from every row's page list and copied over: ~1.5 ms of
-Python for 256 rows of ~50 pages on the H100 host, more than a 1B decode step's GPU time (BENCHMARKS.md, "Engine host
-time per step"). Here each sequence's page list (:class:`PageList`) remembers the first entry changed since the table
-last copied it, the table keeps a row per list, and a step sends only its rows' indices and the changed entries.
+Python a step for 256 rows of ~50 pages on the H100 host, while the 1B Engine was host-bound (BENCHMARKS.md, "Fifth
+session of 2026-11-27"). Here each sequence's page list (:class:`PageList`) remembers the first entry changed since
+the table last copied it, the table keeps a row per list, and a step sends only its rows' indices and the changed
+entries.
 """
 
 from __future__ import annotations

@@ -104,9 +104,9 @@ class PackedGraphs:
     def _warm_head(self, max_rows: int) -> None:
         """Run the eager head once on every row count a packed step can ask logits for (1 .. ``max_rows``).
 
-        cuBLAS picks its kernel by the row count, and CUDA loads a kernel on its first launch, which waits for the
-        GPU to finish the work queued before it: mid-run, a packed step's first head of a new row count stalled the
-        host until the step's graph was done. NOTE: H100, 1B workload (a), 20 of 35 packed steps stalled 13-28 ms
+        Mid-run, a packed step's first head at a new row count stalled the host until the GPU had finished the work
+        queued before it (cuBLAS picks its kernel by the row count; CUDA's lazy loading of that kernel is the likely
+        cause), so the step-ahead pipeline emptied. NOTE: H100, 1B workload (a), 20 of 35 packed steps stalled 13-28 ms
         (BENCHMARKS.md, "Fifth session of 2026-11-27")."""
         g = self._graphs[max(self._graphs, key=lambda key: key[0])]  # the widest buffers
         with programmatic_launch():

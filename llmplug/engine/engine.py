@@ -311,16 +311,15 @@ class Engine(ServingMixin, RankZeroMixin):
         for slots, blocks in plan.swap_in:
             self.scheduler.swap.swap_in(slots, blocks)
         tables = self.page_table.rows([s.blocks for s in plan.seqs])
-        pending = self._pending
+        pending, ids, positions = self._pending, None, None
         if pending is not None and plan.seqs == pending.seqs and plan.num_tokens == len(plan.seqs):
             # a decode step of the rows the previous step sampled, in its order: its tokens are the input (and, after a
             # decode step of the same rows, its positions follow theirs), all on the device
+            ids = pending.tokens
             positions = None if pending.positions is None else pending.positions + 1
-            ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device, block_tables=tables,
-                             input_ids=pending.tokens, positions=positions, num_logits=num_logits)
-        else:
-            ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device, block_tables=tables,
-                             num_logits=num_logits)
+        ctx = build_step(plan.seqs, plan.num_new, self.block_size, self.runner.device, input_ids=ids,
+                         block_tables=tables, positions=positions, num_logits=num_logits)
+        if ids is None:
             self._fill_placeholders(ctx, plan)
         logits = self.runner.step(ctx)
         rows = [i for i, (s, n) in enumerate(zip(plan.seqs, plan.num_new)) if s.num_computed + n == len(s.tokens)]

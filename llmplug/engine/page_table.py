@@ -107,32 +107,15 @@ class PageTable:
         last call (decode steps of one batch) send their changed entries alone, or nothing. Past a list's end a row
         holds page ids it had before (or 0): valid pages that no step reads."""
         last = self._last
-        if last is not None and len(pages) == len(last[0]) and all(map(operator.is_, pages, last[0])):
-            return self._again(last)
+        same = last is not None and len(pages) == len(last[0]) and all(map(operator.is_, pages, last[0]))
         rows, at, cols, vals = [], [], [], []
         for i, p in enumerate(pages):
-            n, row = len(p), p.row
-            if row is None or self.owner[row] is not p:
-                row, start = self._take(pages, i), 0
-            else:
-                start = p.changed
-            if start is not None and start < n:
-                at.extend(repeat(row, n - start))
-                cols.extend(range(start, n))
-                vals.extend(p[start:])
-            p.changed = None
-            rows.append(row)
-        index = self._upload(rows, at, cols, vals, max(map(len, pages), default=1))
-        out = self.table[:, :max(map(len, pages), default=1)].index_select(0, index)
-        self._last = (list(pages), index, out)
-        return out
-
-    def _again(self, last: tuple[list[PageList], torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """:meth:`rows` of the last call's lists, which keep their rows: only what changed goes over."""
-        pages, index, out = last
-        at, cols, vals = [], [], []
-        for p in pages:
             start = p.changed
+            if not same:  # the same lists as last time hold their rows still
+                if p.row is None or self.owner[p.row] is not p:
+                    self._take(pages, i)
+                    start = 0  # a new row: the whole list
+                rows.append(p.row)
             if start is not None:
                 n = len(p)
                 if start < n:
@@ -141,11 +124,12 @@ class PageTable:
                     vals.extend(p[start:])
                 p.changed = None
         longest = max(map(len, pages), default=1)
-        if not vals and longest <= out.shape[1]:
-            return out
-        self._upload([], at, cols, vals, longest)
+        if same and not vals and longest <= last[2].shape[1]:
+            return last[2]
+        uploaded = self._upload(rows, at, cols, vals, longest)  # (no rows when they are the last call's)
+        lists, index = (last[0], last[1]) if same else (list(pages), uploaded)
         out = self.table[:, :longest].index_select(0, index)
-        self._last = (pages, index, out)
+        self._last = (lists, index, out)
         return out
 
     def _upload(self, rows: list[int], at: list[int], cols: list[int], vals: list[int], longest: int) -> torch.Tensor:
@@ -161,8 +145,9 @@ class PageTable:
             self.table.index_put_((host[b:b + u], host[b + u:b + 2 * u]), host[b + 2 * u:])
         return host[:b]
 
-    def _take(self, pages: list[PageList], index: int) -> int:
-        """A row for ``pages[index]``; when none is free, the rows of lists outside ``pages`` come back first."""
+    def _take(self, pages: list[PageList], index: int) -> None:
+        """A row for ``pages[index]`` (its ``row``); when none is free, the rows of lists outside ``pages`` come back
+        first."""
         if not self.free:
             keep = {id(p) for p in pages}
             for row, owner in enumerate(self.owner):
@@ -176,4 +161,3 @@ class PageTable:
         row = self.free.pop()
         self.owner[row] = pages[index]
         pages[index].row = row
-        return row

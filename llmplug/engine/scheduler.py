@@ -165,8 +165,8 @@ class Scheduler:
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         P, done = self.block_size, seq.num_computed
         grow = -(-(done + n) // P) - len(seq.blocks)
-        cow = done % P != 0 and self.blocks.ref[seq.blocks[done // P]] > 1  # a shared last block (is_shared)
-        return max(grow, 0) + cow
+        cow = done % P != 0 and self.blocks.is_shared(seq.blocks[done // P])
+        return max(grow, 0) + int(cow)
 
     def _copy_on_write(self, seq: Sequence, plan: StepPlan) -> None:
         P = self.block_size

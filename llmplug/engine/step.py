@@ -105,8 +105,9 @@ def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, 
         input_ids: ``(T,)`` the step's token ids: on the device (e.g. tokens the device just chose), or on the host
             (sent with the step's other host data in one copy); None reads them from ``seqs[i].tokens``.
         block_tables: ``(B, M)`` the sequences' page table already on the device; None builds it.
-        positions: ``(B,)`` int64 on the device, each row's ``num_computed`` (uniform steps with device
-            ``input_ids``: then nothing goes from the host to the device); None reads them from ``seqs``.
+        positions: ``(B,)`` int64 on the device, each row's ``num_computed``, for a uniform step whose
+            ``input_ids`` are on the device too: then nothing goes from the host to the device. None reads them from
+            ``seqs``.
         all_logits: return every token's logits (verification, scoring); else each sequence's last token's.
         num_logits: per sequence, how many of its last tokens' logits to return (0: none; a verified row: all its
             tokens), in row order; overrides ``all_logits``.
@@ -116,8 +117,10 @@ def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, 
     """
     rows = len(seqs)
     starts = list(itertools.accumulate(num_new, initial=0))
-    on_device = positions is not None and input_ids is not None and input_ids.device == device
-    firsts = None if on_device else [s.num_computed for s in seqs]
+    uniform = num_new[0] if all(n == num_new[0] for n in num_new) else 0
+    if positions is not None and not (uniform and input_ids is not None and input_ids.device == device):
+        raise ValueError("build_step: positions= is for uniform steps whose input_ids are on the device")
+    firsts = None if positions is not None else [s.num_computed for s in seqs]
     picked = None  # the token rows whose logits come back, when num_logits picks some
     if num_logits is not None:
         all_logits = list(num_logits) == list(num_new)
@@ -131,18 +134,15 @@ def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, 
     else:
         ids = []
     tables = block_tables if block_tables is not None else block_table([s.blocks for s in seqs], device)
-    uniform = num_new[0] if all(n == num_new[0] for n in num_new) else 0
     if uniform:
         last = picked
         if picked is None and not all_logits and uniform > 1:
             last = torch.arange(uniform - 1, rows * uniform, uniform, device=device)
-        if on_device:
+        if positions is not None:
             return StepContext(input_ids, tables, uniform, positions, None, last, starts[:-1])
         small = to_device(torch.tensor(firsts + ids, dtype=torch.long), device)
         return StepContext(input_ids if input_ids is not None else small[rows:], tables, uniform, small[:rows], None,
                            last, starts[:-1])
-    if firsts is None:
-        firsts = [s.num_computed for s in seqs]
     lens = torch.tensor(num_new, dtype=torch.long)
     cu = torch.tensor(starts, dtype=torch.long)
     first = torch.tensor(firsts, dtype=torch.long)

@@ -72,6 +72,15 @@ def test_build_step_packs_rows_that_differ():
         assert uniform.query_len == 4 and uniform.positions.tolist() == [0, 0, 0]
         assert uniform.input_ids.tolist() == [t for s in seqs for t in s.tokens[:4]]
         assert uniform.logits_indices.tolist() == [3, 7, 11]
+        dev_ids, dev_pos = torch.tensor([7, 8, 9]), torch.tensor([4, 20, 11])
+        on_device = build_step(seqs, [1, 1, 1], batch.block_size, ids.device, block_tables=batch.block_table_dev,
+                               input_ids=dev_ids, positions=dev_pos)
+        assert on_device.input_ids is dev_ids and on_device.positions is dev_pos  # nothing read from the rows
+        with pytest.raises(ValueError, match="positions= is for uniform steps"):
+            build_step(seqs, [2, 1, 9], batch.block_size, ids.device, input_ids=torch.zeros(12, dtype=torch.long),
+                       positions=dev_pos)
+        with pytest.raises(ValueError, match="positions= is for uniform steps"):
+            build_step(seqs, [1, 1, 1], batch.block_size, ids.device, positions=dev_pos)
     finally:
         batch.release()
 

@@ -3,12 +3,15 @@
 Every sequence has ``tokens`` and ``num_computed`` (tokens whose KV is cached); a step gives each scheduled sequence
 a run of its uncomputed tokens. Decodes (one token left) come first, then running prefills continue, then swapped
 sequences return, then waiting requests are admitted; prefills are chunked to fit the step's token budget, so a
-long prompt never stalls running decodes. When blocks run out the last sequence in policy order is preempted.
+long prompt never stalls running decodes. When blocks run out the last sequence in policy order is preempted. A
+step's decode rows go longest context first: the decode attention kernel starts its programs in row order, so the
+longest start first and the short ones fill the tail (:mod:`llmplug.ops.decode_attention`).
 """
 
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +38,9 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new)
+
+
+_CONTEXT = operator.attrgetter("num_computed")
 
 
 def _seats(seq: Sequence) -> int:
@@ -119,6 +125,8 @@ class Scheduler:
                 plan.seqs.append(seq)
                 plan.num_new.append(n)
                 budget -= n
+        decoding = next((i for i, n in enumerate(plan.num_new) if n != 1), len(plan.num_new))
+        plan.seqs[:decoding] = sorted(plan.seqs[:decoding], key=_CONTEXT, reverse=True)  # ties: policy order
         if not plan.preempted and self.swapped:
             budget = self._swap_in(plan, budget)
         if not plan.preempted and not self.swapped and self.waiting:

@@ -229,7 +229,8 @@ def test_every_running_decode_is_in_every_engine_step():
     def wrapped():
         decoding = [s for s in engine.scheduler.running if s.num_tokens - s.num_computed == 1]
         plan = schedule()
-        steps.append((decoding, list(plan.seqs), list(plan.num_new)))
+        contexts = [s.num_computed for s in plan.seqs[:len(decoding)]]
+        steps.append((decoding, list(plan.seqs), list(plan.num_new), contexts))
         return plan
 
     engine.scheduler.schedule = wrapped
@@ -238,11 +239,12 @@ def test_every_running_decode_is_in_every_engine_step():
     ids.append(engine.add_request(rows[3], greedy(3)))
     done = run_to_end(engine)
     long_steps = 0
-    for decoding, seqs, num_new in steps:
-        assert set(decoding) <= set(seqs)
-        assert seqs[:len(decoding)] == decoding  # decodes come first
+    for decoding, seqs, num_new, contexts in steps:
+        assert set(seqs[:len(decoding)]) == set(decoding)  # decodes come first,
+        assert contexts == sorted(contexts, reverse=True)  # longest context first
         long_steps += any(s.request.request_id == ids[3] and n > 1 for s, n in zip(seqs, num_new))
     assert long_steps >= 6
+    assert any(len(set(contexts)) > 1 for *_, contexts in steps)
     for rid, row, n in zip(ids, rows, (25, 25, 25, 3)):
         assert done[rid].outputs[0].token_ids == hf_greedy(stock, row, n)
 

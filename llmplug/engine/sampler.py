@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.argmax import argmax
 from .request import Sequence
 from .step import device_tensor, to_device
 
@@ -101,7 +102,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     plain = all(s.request.params.plain_greedy or s.request.params.greedy and not s.request.params.penalised
                 and s.num_output >= s.request.params.min_new_tokens for s in seqs)
     if plain:
-        return logits.argmax(-1)
+        return argmax(logits)
     logits = logits.to(torch.float32, copy=True)  # the runner's logits buffer is reused
     _penalize(logits, seqs)
     tokens = logits.argmax(-1)

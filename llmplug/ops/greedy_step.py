@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, pdl_options, tl, triton, use_triton, wait_inputs
+from .argmax import argmax_parts
 
 
 def greedy_step_ref(logits: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tensor, pad: torch.Tensor,
@@ -46,20 +47,6 @@ def advance_step_ref(tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.
 
 
 if triton is not None:
-
-    @triton.jit
-    def _argmax_partial_kernel(logits_ptr, vals_ptr, idx_ptr, V, stride_l, S, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        wait_inputs(PDL)
-        row = tl.program_id(0)
-        part = tl.program_id(1)
-        cols = part * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + cols, mask=cols < V, other=float("-inf"))
-        x = x.to(tl.float32)
-        x = tl.where(x != x, float("inf"), x)
-        best = tl.max(x, axis=0)
-        first = tl.min(tl.where(x == best, cols, 2147483647), axis=0)  # masked columns come last: never preferred
-        tl.store(vals_ptr + row * S + part, best)
-        tl.store(idx_ptr + row * S + part, first)
 
     @triton.jit
     def _greedy_update_kernel(vals_ptr, idx_ptr, unf_ptr, eos_ptr, pad_ptr, ring_ptr, ids_ptr, pos_ptr, cnt_ptr, B,
@@ -107,14 +94,8 @@ def _greedy_step_op(logits: torch.Tensor, unfinished: torch.Tensor, eos: torch.T
         greedy_step_ref(logits, unfinished, eos, pad, ring, input_ids, positions, counters)
         return
     assert logits.stride(1) == 1 and ring.is_contiguous() and eos.numel() == next_pow2(eos.numel())
-    rows, vocab = logits.shape
-    block = min(2048, next_pow2(vocab))
-    parts = triton.cdiv(vocab, block)
-    vals = torch.empty((rows, parts), dtype=torch.float32, device=logits.device)
-    idx = torch.empty((rows, parts), dtype=torch.int32, device=logits.device)
     pdl = pdl_options(logits)
-    maybe_wrap(_argmax_partial_kernel)[(rows, parts)](logits, vals, idx, vocab, logits.stride(0), parts, BLOCK=block,
-                                                      num_warps=4, **pdl)
+    vals, idx = argmax_parts(logits, pdl, block=min(2048, next_pow2(logits.shape[1])))
     _launch_update(vals, idx, unfinished, eos, pad, ring, input_ids, positions, counters, pdl, chosen=False)
 
 

@@ -14,8 +14,6 @@ import torch
 
 from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, pdl_options, tl, triton, use_triton, wait_inputs
 
-_NO_INDEX = 2147483647  # larger than any column: never the first of the maxima
-
 
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
     """Reference: ``(B, V)`` -> ``(B,)`` int64, NaN counting as +inf, ties to the first index."""
@@ -41,7 +39,8 @@ if triton is not None:
         x = x.to(tl.float32)
         x = tl.where(x != x, float("inf"), x)
         best = tl.max(x, axis=0)
-        first = tl.min(tl.where(x == best, cols, _NO_INDEX), axis=0)  # masked columns come last: never preferred
+        # 2**31 - 1: past any column, never the first of the maxima (masked columns come last)
+        first = tl.min(tl.where(x == best, cols, 2147483647), axis=0)
         tl.store(vals_ptr + row * S + part, best)
         tl.store(idx_ptr + row * S + part, first)
 
@@ -50,9 +49,9 @@ if triton is not None:
         row = tl.program_id(0)
         parts = tl.arange(0, BLOCK_S)
         vals = tl.load(vals_ptr + row * S + parts, mask=parts < S, other=float("-inf"))
-        idx = tl.load(idx_ptr + row * S + parts, mask=parts < S, other=_NO_INDEX)
+        idx = tl.load(idx_ptr + row * S + parts, mask=parts < S, other=2147483647)
         best = tl.max(vals, axis=0)
-        tl.store(out_ptr + row, tl.min(tl.where(vals == best, idx, _NO_INDEX), axis=0).to(tl.int64))
+        tl.store(out_ptr + row, tl.min(tl.where(vals == best, idx, 2147483647), axis=0).to(tl.int64))
 
 
 def argmax_parts(logits: torch.Tensor, pdl: dict, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

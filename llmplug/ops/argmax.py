@@ -22,9 +22,11 @@ def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_block(rows: int, vocab: int) -> int:
-    """Columns a program of :func:`argmax_parts` covers: small blocks (more programs) for few rows."""
-    # NOTE: untuned beyond the one H100 comparison in BENCHMARKS.md, "the greedy argmax"
-    return min(next_pow2(vocab), 2048 if rows < 32 else 8192)
+    """Columns a program of :func:`argmax_parts` covers: 2048 at any row count, so one compiled variant a vocabulary
+    (a second, compiled mid-run, stalled a serving run)."""
+    # NOTE: H100, 128,256 columns bf16, 1-256 rows: 2048 the fastest or tied of 1024-16384 (BENCHMARKS.md, "the greedy
+    # argmax")
+    return min(next_pow2(vocab), 2048)
 
 
 if triton is not None:
@@ -54,11 +56,11 @@ if triton is not None:
         tl.store(out_ptr + row, tl.min(tl.where(vals == best, idx, 2147483647), axis=0).to(tl.int64))
 
 
-def argmax_parts(logits: torch.Tensor, pdl: dict, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def argmax_parts(logits: torch.Tensor, pdl: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The first kernel on a CUDA ``logits (B, V)`` (unit stride along V): ``(vals, idx)``, both ``(B, S)``, each
     block's maximum (fp32) and its first column (int32)."""
     rows, vocab = logits.shape
-    block = block or argmax_block(rows, vocab)
+    block = argmax_block(rows, vocab)
     parts = triton.cdiv(vocab, block)
     vals = torch.empty((rows, parts), dtype=torch.float32, device=logits.device)
     idx = torch.empty((rows, parts), dtype=torch.int32, device=logits.device)

@@ -95,7 +95,7 @@ def _greedy_step_op(logits: torch.Tensor, unfinished: torch.Tensor, eos: torch.T
         return
     assert logits.stride(1) == 1 and ring.is_contiguous() and eos.numel() == next_pow2(eos.numel())
     pdl = pdl_options(logits)
-    vals, idx = argmax_parts(logits, pdl, block=min(2048, next_pow2(logits.shape[1])))
+    vals, idx = argmax_parts(logits, pdl)
     _launch_update(vals, idx, unfinished, eos, pad, ring, input_ids, positions, counters, pdl, chosen=False)
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _HOST_GROUPS: dict[str, object] = {}  # process group name -> its gloo twin for host-side messages
+_GROUPS: dict[str, TPGroup] = {}  # process group name -> the last TPGroup :func:`resolve` made over it
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,11 @@ class TPGroup:
     @property
     def group_name(self) -> str:
         return (self.group or dist.group.WORLD).group_name
+
+    @staticmethod
+    def named(group_name: str) -> TPGroup | None:
+        """The group :func:`resolve` made over process group ``group_name`` (a traced collective's group), if any."""
+        return _GROUPS.get(group_name)
 
     @property
     def one_shot(self):
@@ -139,6 +145,6 @@ def resolve(tensor_parallel: int | str | None) -> TPGroup | None:
         raise ValueError(f"tensor_parallel={tensor_parallel!r} must equal the world size ({world}) or be 'auto'")
     if world == 1:
         return None
-    group = TPGroup(dist.get_rank(), world)
+    group = _GROUPS[dist.group.WORLD.group_name] = TPGroup(dist.get_rank(), world)  # the latest, as the hooks use
     group.host_group()  # made now, while every rank is here (a collective; later a dead rank would hang it)
     return group

@@ -278,3 +278,31 @@ def test_an_unknown_all_reduce_is_named(monkeypatch):
     monkeypatch.setenv("LLMPLUG_TP_ALLREDUCE", "two_shot")
     with pytest.raises(ValueError, match="two_shot.*'one_shot' \\(the default\\) or 'nccl'"):
         TPGroup(0, 2).prepare(torch.device("cpu"))
+
+
+def _compiled_split_logits(rank: int) -> dict:
+    import torch._inductor.config as inductor_config
+
+    import llmplug.inductor
+
+    inductor_config.fx_graph_cache = False  # every graph compiled (and counted) here
+    model = _model("granite")  # no family patch: HF's modules with the split's hooks, as the compiled stack runs them
+    llmplug.optimize(model, tensor_parallel="auto")
+    ids = torch.tensor(prompts(2, lengths=(9, 9), vocab=120))
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits
+        llmplug.inductor.reset_report()
+        compiled = torch.compile(model.forward, backend="llmplug")(input_ids=ids).logits
+    return {"eager": eager, "compiled": compiled, "report": llmplug.inductor.report(),
+            "layers": model.config.num_hidden_layers}
+
+
+def test_a_compiled_split_model_fuses_each_all_reduce_with_the_norm_after_it():
+    """Issue 25 item 4: under tensor parallelism the ``llmplug`` backend turns each row-parallel projection's
+    all-reduce and the residual add + RMSNorm after it into one op (o_proj's into the post-attention norm, down's into
+    the next layer's input norm or the final one), and the logits stay the eager split model's."""
+    expected = _model("granite")(input_ids=torch.tensor(prompts(2, lengths=(9, 9), vocab=120))).logits
+    for got in run_ranks(2, _compiled_split_logits):
+        assert got["report"]["all_reduce_add_rms_norm"] == 2 * got["layers"], got["report"]
+        torch.testing.assert_close(got["compiled"], got["eager"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got["compiled"], expected.detach(), rtol=1e-4, atol=1e-4)

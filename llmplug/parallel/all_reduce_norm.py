@@ -1,0 +1,43 @@
+"""``llmplug::all_reduce_add_rms_norm``: a row-parallel projection's all-reduce, then the residual add and RMSNorm
+after it, as one op in a compiled graph (:mod:`llmplug.inductor.all_reduce` puts it there).
+
+``(normed, total)`` with ``total = residual + scale * sum_ranks(x)`` rounded to ``x.dtype`` and ``normed =
+rms_norm(total)``: what the graph computed before, bit for bit. The sum goes through the :class:`TPGroup` that
+:func:`~llmplug.parallel.group.resolve` made over the traced collective's process group (llmplug's one-shot kernel
+where it is mapped and the message fits, as the eager hooks do), else through the process group itself; the rest is
+:func:`~llmplug.ops.rms_norm.add_rms_norm`. On CUDA that is still two kernels: one doing the sum and the norm together
+is not built yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..ops.rms_norm import add_rms_norm
+from .group import TPGroup
+
+
+@torch.library.custom_op("llmplug::all_reduce_add_rms_norm", mutates_args=())
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                            round_first: bool, scale: float, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x, residual: (..., N)`` of one dtype (``x`` this rank's share), ``weight (N,)``; ``eps, offset,
+    round_first`` as :func:`~llmplug.ops.rms_norm.add_rms_norm`; ``scale`` multiplies the sum (Granite's residual
+    multiplier; 1.0 for none); ``group_name``: the process group to sum over. Returns ``(normed, total)``, both shaped
+    like ``x``."""
+    total = x.clone()
+    tp = TPGroup.named(group_name)
+    if tp is not None:
+        tp.all_reduce(total)
+    else:
+        dist.all_reduce(total, group=dist.distributed_c10d._resolve_process_group(group_name))
+    if scale != 1.0:
+        total = total * scale
+    n = x.shape[-1]
+    normed, total = add_rms_norm(total.reshape(-1, n), residual.reshape(-1, n), weight, eps, offset, round_first)
+    return normed.view(x.shape), total.view(x.shape)
+
+
+@all_reduce_add_rms_norm.register_fake
+def _(x, residual, weight, eps, offset, round_first, scale, group_name):
+    return x.new_empty(x.shape), x.new_empty(x.shape)

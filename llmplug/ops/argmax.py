@@ -21,9 +21,9 @@ def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), float("inf"), x).argmax(-1)
 
 
-def argmax_block(rows: int, vocab: int) -> int:
-    """Columns a program of :func:`argmax_parts` covers: 2048 at any row count, so one compiled variant a vocabulary
-    (a second, compiled mid-run, stalled a serving run)."""
+def argmax_block(vocab: int) -> int:
+    """Columns a program of :func:`argmax_parts` covers: 2048 whatever the row count, so one compiled variant a
+    vocabulary (a second, compiled mid-run, stalled a serving run)."""
     # NOTE: H100, 128,256 columns bf16, 1-256 rows: 2048 the fastest or tied of 1024-16384 (BENCHMARKS.md, "the greedy
     # argmax")
     return min(next_pow2(vocab), 2048)
@@ -60,7 +60,7 @@ def argmax_parts(logits: torch.Tensor, pdl: dict) -> tuple[torch.Tensor, torch.T
     """The first kernel on a CUDA ``logits (B, V)`` (unit stride along V): ``(vals, idx)``, both ``(B, S)``, each
     block's maximum (fp32) and its first column (int32)."""
     rows, vocab = logits.shape
-    block = argmax_block(rows, vocab)
+    block = argmax_block(vocab)
     parts = triton.cdiv(vocab, block)
     vals = torch.empty((rows, parts), dtype=torch.float32, device=logits.device)
     idx = torch.empty((rows, parts), dtype=torch.int32, device=logits.device)

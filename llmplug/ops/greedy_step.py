@@ -10,8 +10,9 @@ For every row ``b`` of ``logits (B, V)``, in place on the decode loop's state:
     counters = (step + 1, step + 1 if any row was unfinished before this step, else n_tokens)
 
 ``counters (2,) int64`` holds ``(step, n_tokens)``: ``n_tokens`` counts the steps whose tokens HF's loop keeps (it
-stops after the step in which the last row finishes). Two kernels: a split argmax (``B x S`` programs, one
-``BLOCK`` of the vocabulary each) and a single program that combines the partial maxima and updates the state.
+stops after the step in which the last row finishes). Two kernels: a split argmax (``B x S`` programs, one block of
+the vocabulary each: :func:`~llmplug.ops.argmax.argmax_parts`) and a single program that combines the partial maxima
+and updates the state.
 :func:`advance_step` is the second half alone, for tokens chosen otherwise (sampling).
 """
 

@@ -334,6 +334,8 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = q.new_empty((bsz, num_heads, head_dim)) if out is None else out
     if bsz == 0:
         return out
+    if bsz > 65535:  # the grid's second dimension
+        raise ValueError(f"decode attention takes at most 65535 rows a launch, got {bsz}")
 
     block_d = max(16, next_pow2(head_dim))
     block_n, num_warps, num_stages = tile_config(block_d, q.element_size(), k_cache.element_size(),

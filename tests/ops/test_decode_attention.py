@@ -161,6 +161,14 @@ def test_bad_inputs():
         decode_attention(q, k_cache, v_cache, block_tables[:1], seq_lens, 0.125)
 
 
+def test_more_rows_than_the_grid_takes_are_refused():
+    rows = 65536
+    q, k_cache, v_cache = torch.zeros(rows, 2, 16), torch.zeros(1, 16, 1, 16), torch.zeros(1, 16, 1, 16)
+    tables, lens = torch.zeros(rows, 1, dtype=torch.int32), torch.ones(rows, dtype=torch.int32)
+    with cpu_kernels(True), pytest.raises(ValueError, match="at most 65535 rows a launch, got 65536"):
+        decode_attention(q, k_cache, v_cache, tables, lens, 0.25)
+
+
 def test_opcheck():
     q, k_cache, v_cache, block_tables, seq_lens = _paged([3, 20], 4, 2, 64, 16, torch.float32, poison=False)
     args = (q, k_cache, v_cache, block_tables, seq_lens, 0.125, -1, 0.0, 2, torch.empty_like(q))

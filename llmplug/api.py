@@ -11,6 +11,7 @@ from .engine.attention import RUNTIME_ATTR
 from .engine.generate import llmplug_generate
 from .engine.hf_batching import install as install_hf_batching
 from .engine.runner import ModelRunner, hf_forward
+from .parallel.group import register as register_tp
 from .parallel.group import resolve as resolve_tp
 from .parallel.load import SPLIT_ATTR
 from .parallel.shard import shard_model
@@ -75,6 +76,8 @@ def optimize(model: torch.nn.Module, config: OptimizeConfig | None = None, **ove
         log.undo_all()
         raise
     runner = ModelRunner(model, config, forward, tp)
+    if tp is not None:
+        log.record(register_tp(tp))  # compiled graphs' all-reduces find it (llmplug.inductor.all_reduce)
     for module in model.modules():
         if hasattr(module, "layer_idx"):
             log.set_attr(module, RUNTIME_ATTR, runner)

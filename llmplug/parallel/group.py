@@ -13,7 +13,7 @@ import torch.distributed as dist
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _HOST_GROUPS: dict[str, object] = {}  # process group name -> its gloo twin for host-side messages
-_GROUPS: dict[str, TPGroup] = {}  # process group name -> the last TPGroup :func:`resolve` made over it
+_GROUPS: dict[str, TPGroup] = {}  # process group name -> the TPGroup of the model split over it (:func:`register`)
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class TPGroup:
 
     @staticmethod
     def named(group_name: str) -> TPGroup | None:
-        """The group :func:`resolve` made over process group ``group_name`` (a traced collective's group), if any."""
+        """The :func:`register`-ed group over process group ``group_name`` (a traced collective's group), if any."""
         return _GROUPS.get(group_name)
 
     @property
@@ -145,6 +145,18 @@ def resolve(tensor_parallel: int | str | None) -> TPGroup | None:
         raise ValueError(f"tensor_parallel={tensor_parallel!r} must equal the world size ({world}) or be 'auto'")
     if world == 1:
         return None
-    group = _GROUPS[dist.group.WORLD.group_name] = TPGroup(dist.get_rank(), world)  # the latest, as the hooks use
+    group = TPGroup(dist.get_rank(), world)
     group.host_group()  # made now, while every rank is here (a collective; later a dead rank would hang it)
     return group
+
+
+def register(group: TPGroup):
+    """Make ``group`` the one :meth:`TPGroup.named` finds for its process group (the group a model was split over,
+    whose all-reduce path compiled graphs then take); returns the undo, which forgets it again."""
+    _GROUPS[group.group_name] = group
+
+    def forget() -> None:
+        if _GROUPS.get(group.group_name) is group:
+            del _GROUPS[group.group_name]
+
+    return forget

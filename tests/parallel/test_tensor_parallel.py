@@ -293,8 +293,15 @@ def _compiled_split_logits(rank: int) -> dict:
         eager = model(input_ids=ids).logits
         llmplug.inductor.reset_report()
         compiled = torch.compile(model.forward, backend="llmplug")(input_ids=ids).logits
+    import torch.distributed as dist
+
+    from llmplug.parallel.group import TPGroup
+
+    registered = TPGroup.named(dist.group.WORLD.group_name) is not None
+    llmplug.unoptimize(model)
     return {"eager": eager, "compiled": compiled, "report": llmplug.inductor.report(),
-            "layers": model.config.num_hidden_layers}
+            "layers": model.config.num_hidden_layers, "registered": registered,
+            "forgotten": TPGroup.named(dist.group.WORLD.group_name) is None}
 
 
 def test_a_compiled_split_model_fuses_each_all_reduce_with_the_norm_after_it():
@@ -304,5 +311,6 @@ def test_a_compiled_split_model_fuses_each_all_reduce_with_the_norm_after_it():
     expected = _model("granite")(input_ids=torch.tensor(prompts(2, lengths=(9, 9), vocab=120))).logits
     for got in run_ranks(2, _compiled_split_logits):
         assert got["report"]["all_reduce_add_rms_norm"] == 2 * got["layers"], got["report"]
+        assert got["registered"] and got["forgotten"]  # the split model's group, for as long as it is split
         torch.testing.assert_close(got["compiled"], got["eager"], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got["compiled"], expected.detach(), rtol=1e-4, atol=1e-4)

@@ -2,8 +2,8 @@
 after it, as one op in a compiled graph (:mod:`llmplug.inductor.all_reduce` puts it there).
 
 ``(normed, total)`` with ``total = residual + scale * sum_ranks(x)`` rounded to ``x.dtype`` and ``normed =
-rms_norm(total)``: what the graph computed before, bit for bit. The sum goes through the :class:`TPGroup` that
-:func:`~llmplug.parallel.group.resolve` made over the traced collective's process group (llmplug's one-shot kernel
+rms_norm(total)``: what the graph computed before, bit for bit. The sum goes through the :class:`TPGroup` of the model
+split over the traced collective's process group (:func:`~llmplug.parallel.group.register`: llmplug's one-shot kernel
 where it is mapped and the message fits, as the eager hooks do), else through the process group itself; the rest is
 :func:`~llmplug.ops.rms_norm.add_rms_norm`. On CUDA that is still two kernels: one doing the sum and the norm together
 is not built yet.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -150,7 +151,7 @@ def resolve(tensor_parallel: int | str | None) -> TPGroup | None:
     return group
 
 
-def register(group: TPGroup):
+def register(group: TPGroup) -> Callable[[], None]:
     """Make ``group`` the one :meth:`TPGroup.named` finds for its process group (the group a model was split over,
     whose all-reduce path compiled graphs then take); returns the undo, which forgets it again."""
     _GROUPS[group.group_name] = group

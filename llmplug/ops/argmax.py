@@ -17,8 +17,8 @@ from ._triton import call_op, llmplug_op, maybe_wrap, next_pow2, pdl_options, tl
 
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
     """Reference: ``(B, V)`` -> ``(B,)`` int64, NaN counting as +inf, ties to the first index."""
-    x = logits.float()
-    return torch.where(torch.isnan(x), float("inf"), x).argmax(-1)
+    inf = float("inf")
+    return logits.float().nan_to_num(nan=inf, posinf=inf, neginf=-inf).argmax(-1)
 
 
 def argmax_block(vocab: int) -> int:

@@ -41,22 +41,27 @@ def timed(host, calls, owner, name, label):
     timing.time_calls(owner, name, record)
 
 
-def busy_and_gaps(events) -> tuple[float, dict]:
+def busy_and_gaps(events, largest: int = 8) -> tuple[float, dict]:
     """Seconds the GPU ran any kernel (the union of the kernels' intervals), and its idle gaps between the first and
-    last kernel by size: ``{">= 0.1 ms": (count, s), ">= 1 ms": (count, s), "all": (count, s)}``."""
-    spans = sorted((e.time_range.start, e.time_range.start + e.device_time) for e in events)
-    total, lo, hi, gaps = 0.0, None, None, []
-    for s, e in spans:
+    last kernel by size: ``{">= 0.1 ms": (count, s), ">= 1 ms": (count, s), "all": (count, s), "largest": [(ms into
+    the run, gap ms, the kernel before, the kernel after), ...]}``."""
+    spans = sorted((e.time_range.start, e.time_range.start + e.device_time, e.name) for e in events)
+    total, lo, hi, last, gaps = 0.0, None, None, "", []
+    for s, e, name in spans:
         if hi is None or s > hi:
             if hi is not None:
                 total += hi - lo
-                gaps.append(s - hi)
-            lo, hi = s, e
-        else:
-            hi = max(hi, e)
+                gaps.append((s - hi, hi, last, name))
+            lo, hi, last = s, e, name
+        elif e > hi:
+            hi, last = e, name
     total += 0 if hi is None else hi - lo
+    sizes = [g[0] for g in gaps]
     by_size = {label: (len(g), sum(g) * 1e-6) for label, g in (
-        ("all", gaps), (">= 0.1 ms", [g for g in gaps if g >= 100]), (">= 1 ms", [g for g in gaps if g >= 1000]))}
+        ("all", sizes), (">= 0.1 ms", [g for g in sizes if g >= 100]), (">= 1 ms", [g for g in sizes if g >= 1000]))}
+    first = spans[0][0] if spans else 0
+    by_size["largest"] = [(round((at - first) * 1e-3, 2), round(g * 1e-3, 3), before[:50], after[:50])
+                          for g, at, before, after in sorted(gaps, reverse=True)[:largest]]
     return total * 1e-6, by_size
 
 

@@ -48,6 +48,30 @@ class Phases:
         timing.time_calls(owner, name, record)
 
 
+class GcPauses:
+    """Python's garbage collections during a run (``gc.callbacks``): count by generation, total and worst pause."""
+
+    def __init__(self) -> None:
+        self.counts, self.total, self.worst, self._start = collections.Counter(), 0.0, 0.0, 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._start
+        self.counts[info["generation"]] += 1
+        self.total += pause
+        self.worst = max(self.worst, pause)
+
+    def report(self) -> dict:
+        out = {"by_generation": dict(sorted(self.counts.items())), "total_ms": 1e3 * self.total,
+               "worst_ms": 1e3 * self.worst}
+        self.counts.clear()
+        self.total = self.worst = 0.0
+        return out
+
+
 def log_heads(calls: list) -> None:
     """Record each eager lm_head matmul of a packed step (the graphs' own are captured, never called)."""
     matmul = decoder.Dense.matmul
@@ -101,6 +125,7 @@ def main() -> None:
     config = llmplug.EngineConfig()
     out = {"model": args.model, "device": args.device, "warmup_s": warm_up(model, config, list(wls.values()), vocab)}
     cuda = args.device == "cuda"
+    gc_pauses = GcPauses()
     for mode in args.modes.split(","):
         if mode == "stub":
             def zeros(self, ctx, _v=vocab, _d=model.dtype):
@@ -120,6 +145,7 @@ def main() -> None:
             phases.total.clear()
             phases.worst.clear()
             heads.clear()
+            gc_pauses.report()  # from here on
             stats = (lambda: torch.cuda.memory_stats()) if cuda else (lambda: {})
             before = stats()
             if cuda:
@@ -131,14 +157,14 @@ def main() -> None:
             wall = time.perf_counter() - t0
             row = {"wall_s": wall, "steps": steps[0],
                    "ms_per_step": {k: 1e3 * v / steps[0] for k, v in phases.total.items()},
-                   "worst_ms": {k: 1e3 * v for k, v in phases.worst.items()},
+                   "worst_ms": {k: 1e3 * v for k, v in phases.worst.items()}, "gc": gc_pauses.report(),
                    "allocator": {k: stats().get(k, 0) - before.get(k, 0) for k in ALLOCATOR} if cuda else {}}
             if args.heads and mode == "real":
                 row["heads"] = list(heads)
             out[f"{mode}_{key}"] = row
             print(f"{mode} {key}: wall {wall:.3f} s, {steps[0]} steps; ms/step "
-                  + " ".join(f"{k}={v:.3f}" for k, v in sorted(row["ms_per_step"].items(), key=lambda kv: -kv[1])),
-                  flush=True)
+                  + " ".join(f"{k}={v:.3f}" for k, v in sorted(row["ms_per_step"].items(), key=lambda kv: -kv[1]))
+                  + f"; gc {row['gc']}", flush=True)
             if row.get("heads"):
                 print(f"  lm_head calls (rows, ms, stream idle after): {row['heads']}", flush=True)
             _drop(engine)

@@ -3,10 +3,10 @@
 Usage: python benchmarks/decode_attention_order.py OUT.json
 
 The kernel starts its programs in row order (:mod:`llmplug.ops.decode_attention`), so with rows longest first the short
-contexts fill the tail. Each case draws its lengths uniformly, spreads every row's pages randomly over the pool (as a
-long-running Engine's are) and times the default configuration and 32- / 64-token tiles in a CUDA graph over rotating
-pools larger than L2. Every output is checked against the random-order default's. Shapes: 32 query heads over 8 KV
-heads, pages of 16 tokens. The bytes counted are the K/V pages the contexts cover.
+contexts fill the tail. Each case draws its lengths uniformly, spreads every row's pages randomly over the pool
+(:func:`~benchmarks.decode_attention_sweep.scattered_pools`) and times the default configuration and 32- / 64-token
+tiles in a CUDA graph over rotating pools larger than L2. Every output is checked against the random-order default's.
+Shapes: 32 query heads over 8 KV heads, pages of 16 tokens. The bytes counted are the K/V pages the contexts cover.
 """
 
 import json
@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.decode_attention_sweep import HEADS, KV_HEADS, scattered_pools  # noqa: E402
 from llmplug.bench import timing  # noqa: E402
 from llmplug.ops import decode_attention as dmod  # noqa: E402
 
-PAGE, HEADS, KV_HEADS = 16, 32, 8
 CASES = [  # (name, batch, shortest, longest context, head dim)
     ("1B (a) midway: 256 rows, 160-1152", 256, 160, 1152, 64),
     ("1B (a) span: 256 rows, 32-1280", 256, 32, 1280, 64),
@@ -32,25 +32,10 @@ CASES = [  # (name, batch, shortest, longest context, head dim)
 ]
 
 
-def pools(lens: list[int], head_dim: int, copies: int) -> list[tuple]:
-    """``copies`` (k_cache, v_cache, block_tables) sets; each row's pages scattered over its pool."""
-    width, pages = -(-max(lens) // PAGE), sum(-(-n // PAGE) for n in lens)
-    out = []
-    for _ in range(copies):
-        k = torch.randn(pages, PAGE, KV_HEADS, head_dim, dtype=torch.bfloat16, device="cuda")
-        perm, table, i = torch.randperm(pages, dtype=torch.int32), torch.zeros(len(lens), width, dtype=torch.int32), 0
-        for row, n in enumerate(lens):
-            m = -(-n // PAGE)
-            table[row, :m] = perm[i:i + m]
-            i += m
-        out.append((k, torch.randn_like(k), table.cuda()))
-    return out
-
-
 def case(batch: int, lo: int, hi: int, d: int, read: float, seed: int) -> dict:
     lens = torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(seed))
     kv_bytes = int(lens.sum()) * KV_HEADS * d * 2 * 2
-    pool = pools(lens.tolist(), d, max(2, -(-(200 << 20) // kv_bytes)))
+    pool = scattered_pools(lens.tolist(), d, max(2, -(-(200 << 20) // kv_bytes)), "cuda")
     q = torch.randn(batch, HEADS, d, dtype=torch.bfloat16, device="cuda")
     seq = lens.to(torch.int32).cuda()
     order = torch.argsort(lens, descending=True).cuda()

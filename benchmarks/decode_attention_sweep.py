@@ -26,17 +26,27 @@ PAGE, HEADS, KV_HEADS = 16, 32, 8
 BLOCK_NS, WARPS, STAGES, SPLITS = (32, 64, 128, 256), (4, 8), (2, 3), (0, 1, 2)  # splits 0: the default choice
 
 
-def pools(batch: int, context: int, head_dim: int, copies: int, device: str):
-    """``copies`` (k_cache, v_cache, block_tables) sets, each row's pages its own, and ``q``, ``seq_lens``."""
-    pages = batch * -(-context // PAGE)
+def scattered_pools(lens: list[int], head_dim: int, copies: int, device: str) -> list[tuple]:
+    """``copies`` (k_cache, v_cache, block_tables) sets for rows of contexts ``lens``: each row's pages its own,
+    scattered over the pool (as a long-running Engine's are)."""
+    width, pages = -(-max(lens) // PAGE), sum(-(-n // PAGE) for n in lens)
     out = []
     for _ in range(copies):
         k = torch.randn(pages, PAGE, KV_HEADS, head_dim, dtype=torch.bfloat16, device=device)
-        tables = torch.randperm(pages, device=device, dtype=torch.int32).view(batch, -1)
-        out.append((k, torch.randn_like(k), tables))
+        perm, table, i = torch.randperm(pages, dtype=torch.int32), torch.zeros(len(lens), width, dtype=torch.int32), 0
+        for row, n in enumerate(lens):
+            m = -(-n // PAGE)
+            table[row, :m] = perm[i:i + m]
+            i += m
+        out.append((k, torch.randn_like(k), table.to(device)))
+    return out
+
+
+def pools(batch: int, context: int, head_dim: int, copies: int, device: str):
+    """:func:`scattered_pools` of ``batch`` rows at ``context`` tokens, and ``q``, ``seq_lens``."""
     q = torch.randn(batch, HEADS, head_dim, dtype=torch.bfloat16, device=device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    return out, q, seq_lens
+    return scattered_pools([context] * batch, head_dim, copies, device), q, seq_lens
 
 
 def run(q, seq_lens, pool, splits: int) -> torch.Tensor:

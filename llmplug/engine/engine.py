@@ -260,10 +260,9 @@ class Engine(ServingMixin, RankZeroMixin):
 
     def _advance(self, plan: StepPlan) -> None:
         """Count the step's tokens as computed and cache the blocks they filled."""
-        P = self.block_size
         for seq, n in zip(plan.seqs, plan.num_new):
             seq.num_computed += n
-            if min(seq.num_computed, seq.resolved) >= (len(seq.entry_ids) + 1) * P:  # (the call is the costly part)
+            if seq.has_unregistered_block(self.block_size):
                 seq.register_full_blocks(self.blocks)
         self.metrics.on_step(plan)
 
@@ -291,14 +290,14 @@ class Engine(ServingMixin, RankZeroMixin):
         """Wait for the pending step's tokens, put them in place, check stop conditions, stream."""
         pending, self._pending = self._pending, None
         values = pending.values()
-        now, P, count = time.perf_counter(), self.block_size, 0
+        now, count = time.perf_counter(), 0
         for seq, index, token in zip(pending.seqs, pending.indices, values):
             if seq.status is Status.FINISHED:  # stopped a step earlier: this extra token is dropped
                 continue
             count += 1
             seq.tokens[index] = token
             seq.resolved = index + 1
-            if min(seq.num_computed, seq.resolved) >= (len(seq.entry_ids) + 1) * P:  # a block newly full and known
+            if seq.has_unregistered_block(self.block_size):
                 seq.register_full_blocks(self.blocks)
             self._check_stop(seq, token, now, finished)
         self.metrics.output_tokens += count

@@ -105,7 +105,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         return argmax(logits)
     logits = logits.to(torch.float32, copy=True)  # the runner's logits buffer is reused
     _penalize(logits, seqs)
-    tokens = logits.argmax(-1)
+    tokens = logits.argmax(-1)  # torch's: a rarer path with several torch ops already (the op pays on plain greedy)
     drawn = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
     if drawn:
         rows = device_tensor(drawn, logits.device)

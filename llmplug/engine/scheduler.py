@@ -172,7 +172,7 @@ class Scheduler:
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         P, done = self.block_size, seq.num_computed
-        grow = -(-(done + n) // P) - len(seq.blocks)
+        grow = self._pages(done + n) - len(seq.blocks)
         cow = done % P != 0 and self.blocks.is_shared(seq.blocks[done // P])
         return max(grow, 0) + int(cow)
 

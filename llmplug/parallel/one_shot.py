@@ -6,9 +6,11 @@ rank's slot in rank order (fp32, so every rank gets the same bits) into the outp
 another dtype (fp32 partial products summed, then rounded once to bf16).
 
 One barrier is enough because consecutive calls use the two slots in turn: a rank writes a slot again only after the
-barrier of the call between, which every peer reaches only once its kernel that read the slot has finished (kernels
-on a stream run in order). A captured graph keeps that order within it; where two graphs (or a graph and eager calls)
-meet, the order is their capture's, so every forward opens with a fence: the embedding's all-reduce goes through NCCL
+barrier of the call between, which every peer reaches only once its kernel that read the slot has finished. Kernels
+on a stream run in order; under programmatic dependent launch every kernel of a step waits for its predecessor to
+finish before it writes anything or lets its successor launch, so a kernel's writes still follow the end of every
+earlier kernel. A captured graph keeps that order within it; where two graphs (or a graph and eager calls) meet, the
+order is their capture's, so every forward opens with a fence: the embedding's all-reduce goes through NCCL
 (``TPGroup.all_reduce(fence=True)``), which no rank leaves before every rank has finished its earlier kernels.
 The flags reset themselves (set 0 -> 1 by the sender, 1 -> 0 by the receiver), so
 the kernel replays in CUDA graphs. The CPU path (gloo) is plain ``dist.all_reduce``; GPU tests compare the two.
@@ -19,6 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ..ops._triton import pdl_options, wait_inputs
 
 SLOT_BYTES = 512 << 10  # the largest message that takes this path (32 tokens of an 8B model's hidden state, fp32)
 BLOCK = 1024  # elements a program moves per pass: 8 per thread of 4 warps (16-byte vectors in bf16)
@@ -69,13 +73,15 @@ def _meet_peers(pads, own_flags, send_offset, world):
 
 @triton.jit
 def _one_shot_kernel(x_ptr, out_ptr, bufs, pads, slot_offset, numel, rank: tl.constexpr, world: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
     """``out (numel,)`` <- the sum over ranks of every rank's ``x (numel,)`` (``out`` may be ``x``). ``bufs``/``pads``:
     ``(world,)`` int64 addresses of each rank's buffer and signal pad; ``slot_offset``: elements of ``x``'s dtype to
-    this call's slot in a buffer."""
+    this call's slot in a buffer. Under programmatic dependent launch (``PDL``) it waits for its input like llmplug's
+    other kernels and then lets the next kernel launch, which reads its weights during the barrier."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     elem = x_ptr.dtype.element_ty
-    own = tl.multiple_of(tl.load(bufs + rank).to(tl.pointer_type(elem)) + slot_offset, 16)
+    own = tl.multiple_of(tl.load(bufs + rank).to(tl.pointer_type(elem)) + slot_offset, 16)  # no kernel writes bufs
+    wait_inputs(PDL)
     for start in range(pid * BLOCK, numel, programs * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         tl.store(own + offs, tl.load(x_ptr + offs, mask=offs < numel), mask=offs < numel)
@@ -123,7 +129,7 @@ class OneShot:
         slot_offset = self.slot * (SLOT_BYTES // x.element_size())
         self.slot ^= 1
         _one_shot_kernel[(programs,)](x, out, self.bufs, self.pads, slot_offset, numel, rank=self.rank,
-                                      world=self.world, BLOCK=BLOCK, num_warps=4)
+                                      world=self.world, BLOCK=BLOCK, num_warps=4, **pdl_options(x))
         return out
 
 

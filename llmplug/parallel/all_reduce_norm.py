@@ -5,8 +5,8 @@ after it, as one op in a compiled graph (:mod:`llmplug.inductor.all_reduce` puts
 rms_norm(total)``: what the graph computed before, bit for bit. The sum goes through the :class:`TPGroup` of the model
 split over the traced collective's process group (:func:`~llmplug.parallel.group.register`: llmplug's one-shot kernel
 where it is mapped and the message fits, as the eager hooks do), else through the process group itself; the rest is
-:func:`~llmplug.ops.rms_norm.add_rms_norm`. On CUDA that is still two kernels: one doing the sum and the norm together
-is not built yet.
+:func:`~llmplug.ops.rms_norm.add_rms_norm`, in the same kernel as the sum where the one-shot path takes it
+(:meth:`~llmplug.parallel.group.TPGroup.all_reduce_add_rms_norm`).
 """
 
 from __future__ import annotations
@@ -25,18 +25,16 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     round_first`` as :func:`~llmplug.ops.rms_norm.add_rms_norm`; ``scale`` multiplies the sum (Granite's residual
     multiplier; 1.0 for none); ``group_name``: the process group to sum over. Returns ``(normed, total)``, both shaped
     like ``x``."""
-    total = x.clone()
+    n = x.shape[-1]
+    share, residual = x.reshape(-1, n).clone(), residual.reshape(-1, n)  # the sum may go in place
     tp = TPGroup.named(group_name)
     if tp is not None:
-        tp.all_reduce(total)
+        normed, total = tp.all_reduce_add_rms_norm(share, residual, weight, eps, offset, round_first, scale)
     else:
-        dist.all_reduce(total, group=dist.distributed_c10d._resolve_process_group(group_name))
-    if scale != 1.0:
-        total = total * scale
-    n = x.shape[-1]
-    normed, total = add_rms_norm(total.reshape(-1, n), residual.reshape(-1, n), weight, eps, offset, round_first)
+        dist.all_reduce(share, group=dist.distributed_c10d._resolve_process_group(group_name))
+        normed, total = add_rms_norm(share * scale if scale != 1.0 else share, residual, weight, eps, offset,
+                                     round_first)
     return normed.view(x.shape), total.view(x.shape)
-
 
 @all_reduce_add_rms_norm.register_fake
 def _(x, residual, weight, eps, offset, round_first, scale, group_name):

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..ops.rms_norm import add_rms_norm
+
 # torch 2.13 renamed all_gather_into_tensor (one output tensor, the inputs along dim 0); 2.11 has only the old name
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -73,6 +75,22 @@ class TPGroup:
             return one_shot(x, x if same else torch.empty(x.shape, dtype=out_dtype, device=x.device))
         dist.all_reduce(x, group=self.group)
         return x if out_dtype is None else x.to(out_dtype)
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                offset: float, round_first: bool,
+                                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(normed, total)``: ``total = residual + scale * (x summed over the ranks)`` and ``normed`` its RMSNorm
+        (:func:`~llmplug.ops.rms_norm.add_rms_norm`), in ``residual``'s dtype; ``x, residual: (M, N)``, ``x`` this
+        rank's share (fp32 shares are rounded once, after the sum). One kernel where the one-shot path takes ``x``
+        (:meth:`~llmplug.parallel.one_shot.OneShot.add_rms_norm`); otherwise :meth:`all_reduce`, which sums ``x``
+        in place, then ``add_rms_norm``."""
+        one_shot = self.one_shot
+        if one_shot is not None and one_shot.fits(x) and residual.is_contiguous():
+            return one_shot.add_rms_norm(x, residual, weight, eps, offset, round_first, scale)
+        total = self.all_reduce(x, out_dtype=residual.dtype)
+        if scale != 1.0:
+            total = total * scale
+        return add_rms_norm(total, residual, weight, eps, offset, round_first)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` (on the model's device) on every rank, in place, queued on the stream like any kernel;

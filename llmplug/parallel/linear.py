@@ -19,7 +19,17 @@ class RowParallel:
     def __init__(self, inner, tp: TPGroup, fp32_shares: bool = False) -> None:
         self.inner, self.tp, self.fp32_shares = inner, tp, fp32_shares
 
+    def _share(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product of ``x (M, K / size)``: fp32 with ``fp32_shares`` (a 16-bit ``x``)."""
+        fp32 = self.fp32_shares and x.dtype != torch.float32
+        return self.inner.matmul(x, fp32_out=True) if fp32 else self.inner.matmul(x)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp32_shares and x.dtype != torch.float32:
-            return self.tp.all_reduce(self.inner.matmul(x, fp32_out=True), out_dtype=x.dtype)
-        return self.tp.all_reduce(self.inner.matmul(x))
+        return self.tp.all_reduce(self._share(x), out_dtype=x.dtype)
+
+    def all_reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            offset: float, round_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_rms_norm(matmul(x), residual, weight, ...)`` -> ``(normed, matmul(x) + residual)``, the sum over the
+        ranks, the add and the norm in one kernel where the one-shot all-reduce takes the share
+        (:meth:`~llmplug.parallel.group.TPGroup.all_reduce_add_rms_norm`)."""
+        return self.tp.all_reduce_add_rms_norm(self._share(x), residual, weight, eps, offset, round_first)

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops._triton import pdl_options, wait_inputs
+from ..ops._triton import next_pow2, pdl_options, wait_inputs
+from ..ops.rms_norm import rms_scale
 
 SLOT_BYTES = 512 << 10  # the largest message that takes this path (32 tokens of an 8B model's hidden state, fp32)
 BLOCK = 1024  # elements a program moves per pass: 8 per thread of 4 warps (16-byte vectors in bf16)
@@ -99,6 +100,44 @@ def _one_shot_kernel(x_ptr, out_ptr, bufs, pads, slot_offset, numel, rank: tl.co
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < numel)
 
 
+@triton.jit
+def _one_shot_add_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, bufs, pads, slot_offset, M, N, eps, offset,
+                              scale, rank: tl.constexpr, world: tl.constexpr, BLOCK: tl.constexpr,
+                              SCALED: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """:func:`_one_shot_kernel` over whole rows, then the residual add and RMSNorm of each: ``x (M, N)`` this rank's
+    share; ``total (M, N)`` <- ``residual + scale * sum`` and ``out (M, N)`` <- its RMSNorm, both in ``out``'s dtype
+    and rounded as the unfused ops round (the sum, the scaled sum, the residual sum, then as ``rms_norm``)."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    elem = x_ptr.dtype.element_ty
+    dt = out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    own = tl.multiple_of(tl.load(bufs + rank).to(tl.pointer_type(elem)) + slot_offset, 16)
+    for row in range(pid, M, programs):
+        offs = row.to(tl.int64) * N + cols
+        tl.store(own + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+    tl.debug_barrier()
+    own_flags = tl.load(pads + rank) + (pid * world).to(tl.int64) * 4
+    send_offset = (pid * world + rank).to(tl.int64) * 4
+    _meet_peers(pads.to(tl.int64), own_flags, send_offset, send_offset * 0 + world)
+    tl.debug_barrier()
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
+    for row in range(pid, M, programs):
+        offs = row.to(tl.int64) * N + cols
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for peer in tl.static_range(world):
+            src = tl.multiple_of(tl.load(bufs + peer).to(tl.pointer_type(elem)) + slot_offset, 16)
+            acc += tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        y = acc.to(dt).to(tl.float32)  # the all-reduce's output
+        if SCALED:
+            y = (y * tl.cast(scale, tl.float32)).to(dt).to(tl.float32)
+        total = (y + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        tl.store(total_ptr + offs, total, mask=mask)
+        t = total.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(t * t, axis=0) / N + tl.cast(eps, tl.float32))
+        tl.store(out_ptr + offs, rms_scale(t, rstd, w, dt, ROUND_FIRST, False).to(dt), mask=mask)
+
+
 class OneShot:
     """The mapped buffer of this rank (``2 * SLOT_BYTES``), every rank's addresses, and the slot the next call uses.
 
@@ -131,6 +170,23 @@ class OneShot:
         _one_shot_kernel[(programs,)](x, out, self.bufs, self.pads, slot_offset, numel, rank=self.rank,
                                       world=self.world, BLOCK=BLOCK, num_warps=4, **pdl_options(x))
         return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                     round_first: bool, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sum of ``x (M, N)`` (contiguous, at most ``SLOT_BYTES``) over the ranks, times ``scale``, plus
+        ``residual (M, N)`` (contiguous), and that total's RMSNorm, in one kernel -> ``(normed, total)``, both in
+        ``residual``'s dtype (``x`` may be fp32 shares)."""
+        m, n = x.shape
+        programs = max(1, min(m, self.programs))
+        slot_offset = self.slot * (SLOT_BYTES // x.element_size())
+        self.slot ^= 1
+        normed, total = torch.empty_like(residual), torch.empty_like(residual)
+        block = next_pow2(n)
+        _one_shot_add_norm_kernel[(programs,)](x, residual, weight, normed, total, self.bufs, self.pads, slot_offset, m,
+                                               n, eps, offset, scale, rank=self.rank, world=self.world, BLOCK=block,
+                                               SCALED=scale != 1.0, ROUND_FIRST=round_first,
+                                               num_warps=min(16, max(4, block // 512)))
+        return normed, total
 
 
 def map_one_shot(group_name: str, device: torch.device) -> OneShot:

@@ -17,7 +17,7 @@ from ..engine.attention import rope_paged_attention
 from ..ops import skinny_gemv
 from ..ops.act_mul import act_and_mul
 from ..ops.gemv import add_norm_gemv, gemv, norm_in_prologue
-from ..ops.rms_norm import add_rms_norm, rms_norm
+from ..ops.rms_norm import add_rms_norm, rms_norm, round_first_for
 from ..parallel.group import TPGroup
 from ..parallel.linear import RowParallel
 from ..parallel.shard import head_split
@@ -197,11 +197,17 @@ class FusedDecoder:
             if gated:
                 return linear.gated_matmul(out, gated, rstd_parts=parts, eps=eps), residual
             return linear.matmul(out, rstd_parts=parts, eps=eps), residual
-        hidden = x if producer is None else producer.matmul(x)
-        if (isinstance(linear, Dense) and hidden.shape[0] == 1 and hidden.is_cuda
-                and hidden.dtype == linear.weight.dtype and norm_in_prologue(linear.weight.numel())):
-            return add_norm_gemv(hidden, residual, norm.weight, eps, offset, linear.weight, linear.bias, gated=gated)
-        x, residual = add_rms_norm(hidden, residual, norm.weight, eps, offset)
+        prologue = (isinstance(linear, Dense) and x.shape[0] == 1 and x.is_cuda and x.dtype == linear.weight.dtype
+                    and norm_in_prologue(linear.weight.numel()))
+        if isinstance(producer, RowParallel) and not prologue:  # the all-reduce, the add and the norm: one kernel
+            x, residual = producer.all_reduce_add_norm(x, residual, norm.weight, eps, offset,
+                                                       round_first_for(offset, None))
+        else:
+            hidden = x if producer is None else producer.matmul(x)
+            if prologue:
+                return add_norm_gemv(hidden, residual, norm.weight, eps, offset, linear.weight, linear.bias,
+                                     gated=gated)
+            x, residual = add_rms_norm(hidden, residual, norm.weight, eps, offset)
         return (linear.gated_matmul(x, gated) if gated else linear.matmul(x)), residual
 
     def _rotary_emb(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple]:

@@ -135,3 +135,49 @@ def test_one_shot_all_reduce_equals_nccl(dtype):
         tolerance = 0.0 if dtype == torch.bfloat16 else 1e-6
         assert max(got["eager"].values()) <= tolerance, got
         assert got["graph"] <= tolerance, got
+
+
+def _add_norm_on_ranks(rank: int, shapes, share_dtype) -> dict:
+    import os
+
+    import torch.distributed as dist
+
+    from llmplug.ops.rms_norm import add_rms_norm
+    from llmplug.parallel.group import TPGroup
+
+    os.environ["LLMPLUG_TP_ALLREDUCE"] = "one_shot"
+    group = TPGroup(rank, 2)
+    group.prepare(torch.device("cuda"))
+    assert group.one_shot is not None
+    gen = torch.Generator(device="cuda").manual_seed(rank)  # each rank's own share; the residual the same everywhere
+    same = torch.Generator(device="cuda").manual_seed(99)
+    worst = {}
+    for m, n, scale, offset in shapes:
+        share = torch.randn(m, n, generator=gen, device="cuda").to(share_dtype)
+        residual = torch.randn(m, n, generator=same, device="cuda").bfloat16()
+        weight = torch.randn(n, generator=same, device="cuda").bfloat16()
+        want = share.clone()
+        dist.all_reduce(want)
+        want = want.to(torch.bfloat16)
+        if scale != 1.0:
+            want = want * scale
+        want_normed, want_total = add_rms_norm(want, residual, weight, 1e-5, offset, offset == 0.0)
+        normed, total = group.one_shot.add_rms_norm(share, residual, weight, 1e-5, offset, offset == 0.0, scale)
+        worst[(m, n, scale, offset)] = (float((total.float() - want_total.float()).abs().max()),
+                                        float(((normed.float() - want_normed.float()).abs()
+                                               / want_normed.float().abs().clamp_min(1e-3)).max()))
+    torch.cuda.synchronize()
+    return worst
+
+
+@pytest.mark.parametrize("share_dtype", [torch.float32, torch.bfloat16])
+def test_one_shot_add_rms_norm_equals_nccl_then_add_rms_norm(share_dtype):
+    """The fused all-reduce + residual add + RMSNorm: the total bit for bit as NCCL's sum then ``add_rms_norm``, the
+    norm within a bf16 rounding step (its mean square is summed in another order)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    shapes = ((1, 4096, 1.0, 0.0), (3, 2000, 0.5, 0.0), (32, 4096, 1.0, 1.0), (15, 8192, 1.0, 0.0))  # up to a slot
+    for got in run_ranks(2, _add_norm_on_ranks, shapes, share_dtype, backend="nccl", timeout=120):
+        for shape, (total_err, normed_rel) in got.items():
+            assert total_err == 0.0, (shape, total_err)
+            assert normed_rel <= 2 ** -7, (shape, normed_rel)

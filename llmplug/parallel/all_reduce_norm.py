@@ -36,6 +36,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
                                      round_first)
     return normed.view(x.shape), total.view(x.shape)
 
+
 @all_reduce_add_rms_norm.register_fake
 def _(x, residual, weight, eps, offset, round_first, scale, group_name):
     return x.new_empty(x.shape), x.new_empty(x.shape)

@@ -22,9 +22,7 @@ def _bench(args) -> int:
     dtype = _DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
     results = {"env": report.environment(), "ceilings": timing.ceilings(args.device)}
     quick = args.quick or not cuda
-    # NOTE: CPU sizes (32 new tokens, static-batch prompts 32-256) keep the command at ~11 s on 2 cores (one thread,
-    # 2026-11-27; BENCHMARKS.md, "CPU threads beside a busy neighbour"); 64 tokens and prompts up to 1024 took 80 s on
-    # two threads, 45 s of it llmplug's static batches, whose reference decode attention reads every page each step.
+    # NOTE: small CPU sizes keep the command at ~11 s (2-core CPU, 2026-11-27; BENCHMARKS.md, "Figures moved from code")
     results["e2e"] = e2e.run(model, args.device, dtype, new_tokens=args.new_tokens or (256 if cuda else 32),
                              static=cuda and not args.no_static, ttft=not quick,
                              batches=(8,) if quick else e2e.STATIC_BATCHES, repeats=args.repeats,

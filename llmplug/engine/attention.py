@@ -41,10 +41,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     if not stored:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-    # NOTE: the decode kernel's splits are combined by its second kernel. H100, 2026-11-22, 8B bf16 decode graph
-    # replay with every layer on this path (fuse=False): 8.215-8.217 ms, against 8.229-8.230 with the last split
-    # combining through the cache's counters (benchmarks/results/..._hf_path_split_counters_de76ea3.json); only the
-    # fused kernel, which reads its first tile before the PDL wait, gained from that (rope_paged_attention).
+    # NOTE: combine kernel beat last-split combining (H100, 2026-11-22; BENCHMARKS.md, "Tried, not kept: a persistent")
     if meta.is_decode:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, **scales)
     if meta.token_seq_lens is not None:  # a short uniform step: every token a decode row attending up to itself
@@ -77,10 +74,8 @@ def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
 
     Decode steps whose context the kernel splits run RoPE, the store, attention and the split combine as one kernel
     (:func:`~llmplug.ops.rope_decode_attention.rope_decode_attention`); other steps rotate and store
-    (:func:`~llmplug.ops.rope_store_kv.rope_store_kv`), then attend. NOTE: H100, 2026-11-22, 8B decode graph replay
-    (BENCHMARKS.md, "RoPE, the KV store, decode attention ..."): bf16 5.485 -> 5.424 ms, int8 3.197 -> 3.130, int4
-    2.374 -> 2.285; with one split a sequence (batch 64) the two kernels measured faster (bf16 generate 8,088-8,105
-    vs 7,856-7,952 tok/s), so those steps keep them.
+    (:func:`~llmplug.ops.rope_store_kv.rope_store_kv`), then attend. NOTE: one kernel is faster where the context
+    splits, two where it does not (H100, 2026-11-22; BENCHMARKS.md, "Latest: RoPE, the KV store, decode attention").
     """
     if meta.is_decode and launch_splits(q, k_cache, meta.block_tables, sliding_window) > 1:
         if split_counters is not None and split_counters.numel() < k.shape[0] * k.shape[1]:

@@ -246,11 +246,7 @@ def sm_count(device: torch.device) -> int:
 def tile_config(head_dim: int, elem_size: int, cache_elem_size: int, programs: int) -> tuple[int, int, int]:
     """``(BLOCK_N, num_warps, num_stages)`` for a (padded) head dim, the query's and cache's element sizes and the
     launch's (sequence, kv head) programs before splitting."""
-    # NOTE: bf16/fp16 pages: 64 tokens a tile up to D=128, else 32 (a K or V tile <= 16 KiB); at D<=64 with >= 1,024
-    # programs, 32 (H100, batch 128 x 8 kv heads: 88-95% of the read rate against 76-82%; at batch 8-64 the 1B decoded
-    # 2-4% slower with 32: BENCHMARKS.md, "decode attention tiles"); fp32 (FMA dots): 16. fp8/int8 pages (both matmuls
-    # in fp16), H100, 2026-11-22, batch 64 x 32 heads (8 kv) x D=128, us at context 384 / 2048 (bf16 pages 38.5 /
-    # 181.2): 128 tokens on 4 warps fp8 33.5 / 144.6, int8 36.3 / 163.3; 64 on 8 warps 60.9 / 277.7.
+    # NOTE: a K or V tile <= 16 KiB; sizes from H100 timings, 2026-11-22/27 (BENCHMARKS.md, "Figures moved from code")
     if elem_size >= 4:
         return 16, 4, 3
     if cache_elem_size == 1:
@@ -268,7 +264,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     to a power of two. E.g. on 132 SMs with 8 kv heads and 8k context in 64-token tiles: batch 1 -> 32 splits,
     batch 8 -> 4, batch 64 -> 1.
     """
-    # NOTE: untuned (target occupancy, minimum split length and cap are guesses to revisit on the H100/H200).
+    # NOTE: guesses, untuned; 1 split won at batch 128-256 (H100, 2026-11-27; BENCHMARKS.md, "Decode attention tiles")
     want = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
     cap = max(1, triton.cdiv(max_context, block_n) // MIN_TILES_PER_SPLIT)
     splits = max(1, min(want, cap, MAX_SPLITS))

@@ -5,7 +5,7 @@
 index (:func:`argmax_parts`), and one program a row picks the best of its ``S`` (the lowest index among equal maxima:
 block ``p`` covers lower columns than block ``p + 1``). :mod:`llmplug.ops.greedy_step` shares the first kernel.
 NOTE: ``torch.argmax`` read (128, 128256) bf16 logits at ~0.9 TB/s on an H100 (37 us a call, 1B workload (b);
-BENCHMARKS.md, "the greedy argmax").
+BENCHMARKS.md, "The greedy argmax").
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
 def argmax_block(vocab: int) -> int:
     """Columns a program of :func:`argmax_parts` covers: 2048 whatever the row count, so one compiled variant a
     vocabulary (a second, compiled mid-run, stalled a serving run)."""
-    # NOTE: H100, 128,256 columns bf16, 1-256 rows: 2048 the fastest or tied of 1024-16384 (BENCHMARKS.md, "the greedy
+    # NOTE: H100, 128,256 columns bf16, 1-256 rows: 2048 the fastest or tied of 1024-16384 (BENCHMARKS.md, "The greedy
     # argmax")
     return min(next_pow2(vocab), 2048)
 

@@ -11,7 +11,7 @@ Kernel design:
   The kv head varies fastest, so a sequence's programs start together (a token's keys of every kv head are adjacent
   in a page) and programs start in row order: with rows longest first (the Engine orders its decode rows so) the
   longest contexts start first and the short ones fill the tail. NOTE: H100, 1B shape, batch 256 at contexts
-  160-1152: 146 -> 123 us (79% -> 94% of the read rate; BENCHMARKS.md, "decode attention: rows longest first").
+  160-1152: 146 -> 123 us (79% -> 94% of the read rate; BENCHMARKS.md, "Decode attention: rows longest first").
 * The context is split into ``num_splits`` contiguous ranges of ``BLOCK_N``-token tiles (flash-decoding). The split
   count depends only on static shapes (batch, kv heads, SM count, block-table width), never on ``seq_lens`` values, so
   the op is CUDA-graph safe; the tile ranges themselves are computed on the device from ``seq_lens``. With one split
@@ -270,9 +270,7 @@ if triton is not None:
         INTERPRETED: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        # NOTE: one head a program, all splits in one load. Calling combine_splits here (one head, one chunk)
-        # measured slower: 8B bf16 decode graph replay on the unfused path 5.501-5.506 ms against 5.485-5.487
-        # (H100, 2026-11-22, two machines; the fused path's 5.42 the same on both).
+        # NOTE: one head a program; combine_splits here was slower (H100, 2026-11-22; BENCHMARKS.md, "Latest: RoPE")
         wait_inputs(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)

@@ -8,8 +8,7 @@ Every row ``b`` computes ``Q`` new tokens (``Q = 1``: a decode step; ``1 + k``: 
     slots[t]    = block_tables[b, c // P] * P + c % P  (c = clamped[t])  if p >= 0 else -1   where the new K/V go
     seq_lens[b] = p + Q                                                  if p >= 0 else 0    cached tokens after it
 
-NOTE: H200, 2026-11-22, ``benchmarks/ab_replay.py decode_slots``: decode graph replay 1B 0.8976 -> 0.8778 ms, 8B
-4.0461 -> 4.0224 ms against the PyTorch reference's kernels.
+NOTE: faster decode graph replay than the reference's kernels (H200, 2026-11-22; BENCHMARKS.md, "H200 re-measured").
 """
 
 from __future__ import annotations

@@ -41,9 +41,8 @@ def norm_in_prologue(numel: int) -> bool:
     """Whether :func:`add_norm_gemv` beats the norm kernel + :func:`gemv` on a weight of ``numel`` elements.
 
     The prologue saves one launch (a fixed ~1-3 us), but every program re-derives the normalised input it reads, a
-    cost that grows with the weight's size. NOTE: H200, 2026-11-22, ``benchmarks/gemv_sweep.py out.json --norm`` (us,
-    norm + gemv vs fused): 1B q/k/v 5.44 vs 4.47, 1B gate/up 22.13 vs 19.20, 8B q/k/v 15.57 vs 14.97; 8B gate/up
-    57.15 vs 59.03, lm_head (128256 rows) 1B 119.35 vs 123.32, 8B 236.0 vs 249.9. Hence up to 2^26 elements.
+    cost that grows with the weight's size. NOTE: fused wins up to 2^26 elements (q/k/v, 1B gate/up), loses above
+    (8B gate/up, lm_head): H200, 2026-11-22 (BENCHMARKS.md, "Norm in the GEMV's prologue").
     """
     return numel <= 1 << 26
 
@@ -140,11 +139,8 @@ if triton is not None:
 def choose_config(n: int, k: int) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``W: (N, K)``.
 
-    NOTE: H200, 2026-11-22, benchmarks/gemv_sweep.py, GB/s with cuBLAS in brackets. Wide outputs: 8B gate_up (16,
-    256, 4, 4) 4329 [3921], lm_head 4563 [4422]. Wider-than-deep q/k/v: 8B (8, 512, 4, 4) 3576 [3108], 1B (8, 1024,
-    8, 3) 2678 [1919]. Square and deep (o, down): (2, 1024, 4, 4), 8B o 3181 [2707], down 3966 [3822], 1B down 3266
-    [2654]. Nearly square counts as square: H100, 2026-11-27, ``gemv_sweep.py --tp``, 70B down at TP=4 (8192, 7168)
-    (2, 1024, 4, 4) 2845 against (8, 512, 4, 4) 2601 [2817].
+    NOTE: these beat cuBLAS on every 8B and 1B projection (H200, 2026-11-22), nearly square counting as square since
+    an H100 TP sweep (2026-11-27; BENCHMARKS.md, "Figures moved from code comments").
     """
     if n >= 16384:
         return (16, 256, 4, 4)

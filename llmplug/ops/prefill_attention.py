@@ -314,9 +314,7 @@ def _launch_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int
 
     BLOCK_M is a multiple of BLOCK_N so a query tile has exactly BLOCK_M / BLOCK_N masked diagonal tiles.
     """
-    # NOTE: untuned first guesses, to be tuned on the H100/H200. Compile-only check (sm_90a, triton 3.6 and 3.9,
-    # ptxas -v): bf16 D=128 -> 128 KiB shared, ~246 registers, no spills; D=64 235 regs; D=256 (64/32) 96 KiB,
-    # 204-255 regs, no spills; D=80/96 pad to 128 (tiny spill with window on 3.6). fp32 spills whatever the tile.
+    # NOTE: D<=64 kept by an H100 sweep, D>64 untuned (2026-11-27; BENCHMARKS.md, "Fifth session", "Figures moved")
     if not on_gpu:
         # Interpreter: small tiles so short test sequences still span several query/key tiles (and every loop
         # kind runs); BLOCK_N = 16 against pages of 8/16/32 covers tiles spanning several pages and part of one.

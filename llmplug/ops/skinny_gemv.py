@@ -86,10 +86,9 @@ SHARED_BUDGET = 200 * 1024  # bytes of shared memory the pipeline stages may tak
 
 
 def choose_config(n: int, k: int, element_size: int = 2) -> tuple[int, int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``W: (N, K)`` of ``element_size``-byte elements. NOTE: H100,
-    2026-11-27, ``benchmarks/skinny_sweep.py`` (BENCHMARKS.md, "Speculative decoding"): (64, 256, 4, 4) is the best or
-    within 3% of the best config on every 8B shape at 1-8 rows in bf16; wider elements get fewer stages, as many as
-    fit ``SHARED_BUDGET`` (fp32's four would need 240 KB)."""
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``W: (N, K)`` of ``element_size``-byte elements; wider
+    elements get fewer stages, as many as fit ``SHARED_BUDGET`` (fp32's four would need 240 KB). NOTE: the sweep's
+    best on 6 of 15 8B shape/row cases (H100, 2026-11-27; BENCHMARKS.md, "Speculative decoding in `generate`")."""
     del n
     block_n, block_k = 64, min(256, next_pow2(k))  # the launch clamps BLOCK_K to K's power of two alike
     per_stage = (block_n + 16) * block_k * element_size  # a weight tile and the padded input rows

@@ -219,10 +219,7 @@ if triton is not None:
         tl.store(out + HALF, hi.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py (fused GEMM vs dequantise + cuBLAS, 8B qkv / o / gate_up / down,
-# us): 256 tokens 54.0 vs 50.2 / 40.6 vs 33.6 / 199.7 vs 227.6 / 119.9 vs 118.1; 512 tokens 87.8 vs 59.4 / 67.7 vs
-# 37.9 / 355.1 vs 283.6 / 221.4 vs 133.9; 4096 tokens 582 vs 295 / 387 vs 185 / 2735 vs 1570 / 1519 vs 721
-# (cuBLAS on bf16 weights: 261 / 184 / 1434 / 665).
+# NOTE: dequantise + cuBLAS wins from 512 tokens (H100, 2026-11-22; BENCHMARKS.md, "Update: int4 one-token GEMV")
 DENSE_MIN_TOKENS = 512
 
 
@@ -235,16 +232,8 @@ def choose_config(m: int, n: int, k: int, group_size: int, packed: bool = True, 
     depth (and, for wide groups of fp32 activations, BLOCK_M) shrinks to fit ``smem`` bytes of shared memory given
     ``x_bytes`` per activation.
 
-    NOTE: H100, 2026-11-22, PDL chains of one projection (us; 8B qkv / o / gate_up gated / down, then 1B). Packed
-    GEMV, one token, the tiles below: 7.0 / 4.7 / 26.6 / 12.9 and 2.5 / 2.0 / 8.8 / 5.9, each within 6% of the best
-    of 24 tiles (4 or 8 warps, 8-32 rows, 512-4,096 weights a row per step); the packed-dequant GEMM 10.7 / 9.5 /
-    36.7 / 21.4 and 5.6 / 4.8 / 15.5 / 11.0. At two tokens (the GEMV reads the weights once a token) neither wins
-    throughout: 8B 11.4 / 7.8 / 39.0 / 20.7 against the GEMM's 10.8 / 9.5 / 36.8 / 21.6, so the GEMV takes one token
-    only (a GEMV sharing each weight read among a few tokens would be the fix). Timed in the 8B int4 decode replay,
-    none of 15 other GEMV tiles was faster. Without packed bf16 math (fp16, older GPUs), history in BENCHMARKS.md: word
-    GEMV 12.2 / 8.4 / 39.6 / 25.0, packed-dequant GEMM at 16 tokens (16, 64 | 32) 12.3 / 9.5 / 36.8 / 23.3 -- hence
-    gate_up- and down-like shapes go there at one token too; 64 tokens (64, 64) 24.9 / 16.6 / 69.7 / 47.0; 256
-    tokens (128, 64) 53.8 / 40.8 / 204.2 / 124.6.
+    NOTE: the packed GEMV takes one token only (at two neither it nor the GEMM wins); without it (fp16, older GPUs)
+    gate/up- and down-like shapes take the GEMM (H100, 2026-11-22; BENCHMARKS.md, "Figures moved from code comments").
     """
     if m == 1 and packed_gemv:  # rows a program, weights of a row a step
         if n >= 4 * k:  # gate/up

@@ -250,9 +250,7 @@ if triton is not None:
         tl.store(out_ptr + r64 * stride_on + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py (int8: fused GEMM vs dequantise + cuBLAS, 8B qkv / o / gate_up /
-# down, us): 256 tokens 53.3 vs 52.7 / 46.5 vs 35.3 / 187.6 vs 231.2 / 106.8 vs 123.2; 512 tokens 89.7 vs 62.5 / 69.7
-# vs 39.9 / 323.9 vs 286.0 / 187.3 vs 139.4; 4096 tokens 561 vs 301 / 376 vs 191 / 2658 vs 1562 / 1329 vs 754.
+# NOTE: dequantise + cuBLAS wins from 512 tokens (H100, 2026-11-22; BENCHMARKS.md, "Figures moved from code comments")
 DENSE_MIN_TOKENS = 512
 
 
@@ -260,21 +258,8 @@ def choose_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, 
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)``; ``BLOCK_M == 1`` selects the word GEMV
     (``fp8`` keeps tiles of its own), ``SPLIT_K == 0`` lets :func:`~llmplug.ops._qmm.choose_split_k` decide.
 
-    NOTE: H100, 2026-11-22, benchmarks/quant_sweep.py on the 8B projections (qkv / o / gate_up / down, us; cuBLAS
-    bf16 in brackets; history in BENCHMARKS.md). One token, int8 word GEMV with one prmt a byte and the activations
-    read an int64 a word: 8 rows x 1024 bytes for qkv, 8 x 512 for gate_up (4x wider than deep), 4 x 1024 for o /
-    down: 10.4 / 7.9 / 40.4 / 21.8 (o / down on 8 warps then), the best of 12 tiles each in PDL chains (scratch
-    script; the tiles before, 10.9 / 8.0 / 42.0 / 22.1; shift-and-mask decoding and the activations spread through
-    shared memory, earlier: 12.5 / 9.5 / 44.4 / 25.6; the loads, not the instructions, bound it). Since the weight
-    tiles load a step ahead, o / down run on 4 warps (8B int8 decode replay 3.186 -> 3.176 ms); timed in that
-    replay, none of 20 other tiles across the four projections was faster. fp8 byte GEMV, 8 x 512 wider than deep,
-    else 4 x 1024: 11.4 / 9.8 / 42.8 / 27.8 [20.4 / 15.6 / 81.3 / 51.1] (with the int8 tiles fp8 batch 1 measured
-    258.7 tok/s against 262.7 with these, in separate runs: kept). Since fp8 takes the word GEMV (e4m3 decoded
-    with shifts and masks; 8B fp8 decode replay 3.518 -> 3.285 ms, same process, alternated twice, H100, 2026-11-26)
-    these tiles still measured best: 3.285 against 3.290 ms with the int8 ones. 4-16 tokens (16,
-    32, 256, 4, 4, split-K by heuristic): 16.3 / 12.4 / 53.3 / 31.0. 64 tokens (64, 128, 128, 4, 3): about cuBLAS
-    bf16 (23.1 / 18.0 / 82.3 / 46.4 [20.6 / 14.8 / 86.9 / 46.3]). From 256 tokens on, these GEMMs reach 240-500
-    TFLOP/s against cuBLAS bf16's 550-800: prefill is slower than bf16.
+    NOTE: the one-token tiles timed best in PDL chains and 8B decode replays; the GEMMs match cuBLAS bf16 at 64 tokens
+    and trail it from 256 (H100, 2026-11-22 and -26; BENCHMARKS.md, "Figures moved from code comments").
     """
     if m == 1 and fp8:
         return (1, 8, 512, 4, 3, 1) if n > k else (1, 4, 1024, 4, 3, 1)

@@ -27,7 +27,7 @@ class TPGroup:
     over a symmetric-memory buffer every rank maps (:mod:`llmplug.parallel.one_shot`) once :meth:`prepare` made it,
     larger ones through NCCL; ``LLMPLUG_TP_ALLREDUCE=nccl`` in the environment sends every one to NCCL. On CPUs: gloo.
     NOTE: two H100s, 8B shape, 93c4f80: 8 KB inside a CUDA graph 5.5 us one-shot vs 16.7 NCCL; batch-1 decode at TP=2
-    275.4 vs 263.2 tok/s (BENCHMARKS.md, "Tensor parallelism").
+    275.4 vs 263.2 tok/s (BENCHMARKS.md, "Tensor parallelism: llmplug's one-shot all-reduce").
     """
 
     rank: int

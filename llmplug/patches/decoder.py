@@ -187,9 +187,8 @@ class FusedDecoder:
         epilogue adds the residual and starts the norm, the consumer's finishes it
         (:meth:`QuantLinear.matmul_add_norm`), no norm kernel; with a plain weight where it pays
         (:func:`~llmplug.ops.gemv.norm_in_prologue`) the norm runs in the GEMV's prologue
-        (:func:`~llmplug.ops.gemv.add_norm_gemv`). NOTE: H200, 2026-11-22, ``benchmarks/ab_replay.py norm_gemv``: see
-        BENCHMARKS.md; the split norm, H100, 2026-11-22, 8B decode graph replay int8 3.331 -> 3.245 ms, int4 2.450 ->
-        2.352 (BENCHMARKS.md, "the RMSNorm split between the quantized GEMVs")."""
+        (:func:`~llmplug.ops.gemv.add_norm_gemv`). NOTE: both shorten the decode graph replay (H200 / H100, 2026-11-22;
+        BENCHMARKS.md, "Norm in the GEMV's prologue", "Earlier: the RMSNorm split between the quantized GEMVs")."""
         eps, offset = _eps(norm), self.spec.norm_offset
         if (isinstance(producer, QuantLinear) and isinstance(linear, QuantLinear) and producer.norm_gemv(x)
                 and linear.norm_gemv(x)):
@@ -222,9 +221,8 @@ class FusedDecoder:
         Where every rope type depends on the position alone (``runner.rope_by_position``), they are rows of a
         ``(max_model_len, 2, R)`` table that HF's rotary module fills on first use (the same values, its products and
         cosines being per element): one gather a step instead of the module's eight or so small kernels. Other rope
-        types (dynamic, longrope), and tables over ``_ROPE_TABLE_MAX_BYTES``, call the module. NOTE: H200,
-        2026-11-22, ``benchmarks/ab_replay.py rope_table``: decode graph replay 1B 0.8917 -> 0.8781 ms, 8B 4.0418 ->
-        4.0204 ms, same greedy tokens; the table is 32 / 64 MB there (131,072 positions).
+        types (dynamic, longrope), and tables over ``_ROPE_TABLE_MAX_BYTES``, call the module. NOTE: faster decode
+        graph replay, same greedy tokens (H200, 2026-11-22; BENCHMARKS.md, "H200 re-measured").
         """
         if self._rope_tables is None:
             length = runner.max_model_len

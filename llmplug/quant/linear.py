@@ -13,10 +13,8 @@ from .formats import dequantize_int4, dequantize_rowwise, quantize_fp8, quantize
 
 METHODS = ("int8", "int4", "fp8")
 
-# NOTE: token count from which fp8 runs on FP8 tensor cores (activations quantized per token) instead of the
-# weight-only kernel. H100, 2026-11-22, benchmarks/quant_sweep.py, us for 8B qkv / o / gate_up / down: at 32 tokens
-# weight-only 20.7 / 14.9 / 55.4 / 42.5, scaled_mm 19.9 / 16.5 / 54.1 / 48.5; at 64, 31.2 / 30.8 / 70.8 / 96.7
-# against 17.7 / 16.1 / 56.2 / 45.4.
+# Token count from which fp8 runs on FP8 tensor cores (activations quantized per token), not the weight-only kernel.
+# NOTE: scaled_mm wins at 64 tokens, not at 32 (H100, 2026-11-22; BENCHMARKS.md, "Figures moved from code comments")
 FP8_GEMM_MIN_TOKENS = 64
 
 

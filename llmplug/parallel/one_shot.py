@@ -73,6 +73,33 @@ def _meet_peers(pads, own_flags, send_offset, world):
 
 
 @triton.jit
+def _slot(bufs, rank, slot_offset, elem: tl.constexpr):
+    """This call's slot in ``rank``'s mapped buffer, as a pointer to ``elem`` (no kernel writes ``bufs``)."""
+    return tl.multiple_of(tl.load(bufs + rank).to(tl.pointer_type(elem)) + slot_offset, 16)
+
+
+@triton.jit
+def _barrier(pads, rank: tl.constexpr, world: tl.constexpr):
+    """Every program meets the same program of every rank (:func:`_meet_peers` on this program's row of flags), with
+    the block synced on either side: what it stored into its slot before is then visible to the peers."""
+    pid = tl.program_id(0)
+    tl.debug_barrier()
+    own_flags = tl.load(pads + rank) + (pid * world).to(tl.int64) * 4  # this program's row of flags, an address
+    send_offset = (pid * world + rank).to(tl.int64) * 4
+    _meet_peers(pads.to(tl.int64), own_flags, send_offset, send_offset * 0 + world)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _peer_sum(bufs, slot_offset, offs, mask, elem: tl.constexpr, world: tl.constexpr, BLOCK: tl.constexpr):
+    """fp32 ``(BLOCK,)``: the sum over the ranks, in rank order, of their slots' elements at ``offs``."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for peer in tl.static_range(world):
+        acc += tl.load(_slot(bufs, peer, slot_offset, elem) + offs, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _one_shot_kernel(x_ptr, out_ptr, bufs, pads, slot_offset, numel, rank: tl.constexpr, world: tl.constexpr,
                      BLOCK: tl.constexpr, PDL: tl.constexpr):
     """``out (numel,)`` <- the sum over ranks of every rank's ``x (numel,)`` (``out`` may be ``x``). ``bufs``/``pads``:
@@ -81,22 +108,15 @@ def _one_shot_kernel(x_ptr, out_ptr, bufs, pads, slot_offset, numel, rank: tl.co
     other kernels and then lets the next kernel launch, which reads its weights during the barrier."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     elem = x_ptr.dtype.element_ty
-    own = tl.multiple_of(tl.load(bufs + rank).to(tl.pointer_type(elem)) + slot_offset, 16)  # no kernel writes bufs
+    own = _slot(bufs, rank, slot_offset, elem)
     wait_inputs(PDL)
     for start in range(pid * BLOCK, numel, programs * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         tl.store(own + offs, tl.load(x_ptr + offs, mask=offs < numel), mask=offs < numel)
-    tl.debug_barrier()
-    own_flags = tl.load(pads + rank) + (pid * world).to(tl.int64) * 4  # this program's row of flags, an address
-    send_offset = (pid * world + rank).to(tl.int64) * 4
-    _meet_peers(pads.to(tl.int64), own_flags, send_offset, send_offset * 0 + world)
-    tl.debug_barrier()
+    _barrier(pads, rank, world)
     for start in range(pid * BLOCK, numel, programs * BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for peer in tl.static_range(world):
-            src = tl.multiple_of(tl.load(bufs + peer).to(tl.pointer_type(elem)) + slot_offset, 16)
-            acc += tl.load(src + offs, mask=offs < numel).to(tl.float32)
+        acc = _peer_sum(bufs, slot_offset, offs, offs < numel, elem, world, BLOCK)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < numel)
 
 
@@ -112,23 +132,15 @@ def _one_shot_add_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, bufs, p
     dt = out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    own = tl.multiple_of(tl.load(bufs + rank).to(tl.pointer_type(elem)) + slot_offset, 16)
+    own = _slot(bufs, rank, slot_offset, elem)
     for row in range(pid, M, programs):
         offs = row.to(tl.int64) * N + cols
         tl.store(own + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-    tl.debug_barrier()
-    own_flags = tl.load(pads + rank) + (pid * world).to(tl.int64) * 4
-    send_offset = (pid * world + rank).to(tl.int64) * 4
-    _meet_peers(pads.to(tl.int64), own_flags, send_offset, send_offset * 0 + world)
-    tl.debug_barrier()
+    _barrier(pads, rank, world)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
     for row in range(pid, M, programs):
         offs = row.to(tl.int64) * N + cols
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for peer in tl.static_range(world):
-            src = tl.multiple_of(tl.load(bufs + peer).to(tl.pointer_type(elem)) + slot_offset, 16)
-            acc += tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-        y = acc.to(dt).to(tl.float32)  # the all-reduce's output
+        y = _peer_sum(bufs, slot_offset, offs, mask, elem, world, BLOCK).to(dt).to(tl.float32)  # the all-reduce's sum
         if SCALED:
             y = (y * tl.cast(scale, tl.float32)).to(dt).to(tl.float32)
         total = (y + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
@@ -160,14 +172,18 @@ class OneShot:
     def fits(self, x: torch.Tensor) -> bool:
         return x.is_cuda and x.is_contiguous() and x.numel() * x.element_size() <= SLOT_BYTES
 
+    def _next_slot(self, x: torch.Tensor) -> int:
+        """This call's slot, as an offset in elements of ``x``'s dtype; the next call takes the other one."""
+        offset = self.slot * (SLOT_BYTES // x.element_size())
+        self.slot ^= 1
+        return offset
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` (contiguous, at most ``SLOT_BYTES``) over the ranks into ``out`` (``x`` itself, or a contiguous
         tensor of its shape); returns ``out``."""
         numel = x.numel()
         programs = max(1, min(triton.cdiv(numel, BLOCK), self.programs))
-        slot_offset = self.slot * (SLOT_BYTES // x.element_size())
-        self.slot ^= 1
-        _one_shot_kernel[(programs,)](x, out, self.bufs, self.pads, slot_offset, numel, rank=self.rank,
+        _one_shot_kernel[(programs,)](x, out, self.bufs, self.pads, self._next_slot(x), numel, rank=self.rank,
                                       world=self.world, BLOCK=BLOCK, num_warps=4, **pdl_options(x))
         return out
 
@@ -178,12 +194,11 @@ class OneShot:
         ``residual``'s dtype (``x`` may be fp32 shares)."""
         m, n = x.shape
         programs = max(1, min(m, self.programs))
-        slot_offset = self.slot * (SLOT_BYTES // x.element_size())
-        self.slot ^= 1
         normed, total = torch.empty_like(residual), torch.empty_like(residual)
         block = next_pow2(n)
-        _one_shot_add_norm_kernel[(programs,)](x, residual, weight, normed, total, self.bufs, self.pads, slot_offset, m,
-                                               n, eps, offset, scale, rank=self.rank, world=self.world, BLOCK=block,
+        _one_shot_add_norm_kernel[(programs,)](x, residual, weight, normed, total, self.bufs, self.pads,
+                                               self._next_slot(x), m, n, eps, offset, scale, rank=self.rank,
+                                               world=self.world, BLOCK=block,
                                                SCALED=scale != 1.0, ROUND_FIRST=round_first,
                                                num_warps=min(16, max(4, block // 512)))
         return normed, total

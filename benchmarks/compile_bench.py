@@ -1,8 +1,10 @@
 """Stock HF ``generate(cache_implementation="static", compile_config=CompileConfig(backend=B))`` for each backend B,
 one process, the same random weights (issue 25): compile warm-up (the first call), median decode tok/s at ``--batch``,
 a decode step's time (the difference of a long and a 2-token call), the tokens (every backend must give the
-default's), llmplug's match report, and with ``--profile`` each backend's GPU kernels per decode step by name (a
-separate run: timings after torch's profiler are not trusted).
+default's), llmplug's match report, the host time a decode step spends inside the compiled call (Dynamo's guards and
+bytecode, the backend's launch) and the step with Dynamo's guard evaluation skipped (what the guards cost), and with
+``--profile`` each backend's GPU kernels per decode step by name (a separate run: timings after torch's profiler are
+not trusted).
 
     python benchmarks/compile_bench.py --model llama-8b --out results.json [--batch 4] [--profile]
 """
@@ -10,9 +12,11 @@ separate run: timings after torch's profiler are not trusted).
 import argparse
 import hashlib
 import json
+import statistics
 import time
 
 import torch
+import transformers
 from transformers import CompileConfig
 
 import llmplug.inductor
@@ -24,6 +28,28 @@ def kernels_per_step(model, gen: dict, steps: int) -> dict:
     """GPU kernel time by kernel name over a ``steps``-token generate (prefill included), us per step."""
     model.generate(**gen, max_new_tokens=steps)
     return kernels_by_name(lambda: model.generate(**gen, max_new_tokens=steps), per=steps)
+
+
+def compiled_call_host_ms(model, gen: dict, steps: int) -> float:
+    """Median host ms of one call of the compiled forward over a ``steps``-token generate (no sync: the GPU runs on)."""
+    original, samples = model.get_compiled_call, []
+
+    def timed_get(config):
+        fn = original(config)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            samples.append(time.perf_counter() - t0)
+            return out
+        return timed
+
+    model.get_compiled_call = timed_get
+    try:
+        model.generate(**gen, max_new_tokens=steps)
+    finally:
+        del model.get_compiled_call
+    return 1e3 * statistics.median(samples)
 
 
 def main() -> None:
@@ -44,7 +70,8 @@ def main() -> None:
                         generator=torch.Generator().manual_seed(1)).cuda()
     ceil = ceilings("cuda")
     report = {"model": args.model, "batch": args.batch, "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "ceilings": ceil, "weight_bytes": weight_bytes(model), "rows": []}
+              "torch": torch.__version__, "transformers": transformers.__version__, "ceilings": ceil,
+              "weight_bytes": weight_bytes(model), "rows": []}
     first = None
     for backend in args.backends:
         torch._dynamo.reset()
@@ -67,6 +94,11 @@ def main() -> None:
             short = time_call(lambda gen=gen: model.generate(**gen, max_new_tokens=2), "cuda", repeats=args.repeats)
             row["call_overhead_ms"] = 1e3 * short["median"]
             row["step_ms"] = 1e3 * (t["median"] - short["median"]) / (args.new_tokens - 2)
+            row["compiled_call_host_ms"] = compiled_call_host_ms(model, gen, args.new_tokens)
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):  # diagnostic only
+                unguarded = time_call(lambda gen=gen: model.generate(**gen, max_new_tokens=args.new_tokens), "cuda",
+                                      repeats=args.repeats)
+            row["step_ms_no_guards"] = 1e3 * (unguarded["median"] - short["median"]) / (args.new_tokens - 2)
             # a step reads the weights once whatever the batch: per call (as users see it) and per decode step
             read_s = report["weight_bytes"] / ceil["read_bytes_per_s"]
             row["fraction_of_roofline"] = row["tok_s"] / args.batch * read_s
@@ -88,7 +120,9 @@ def main() -> None:
         else:
             print(f"{row['backend']:10s} warm-up {row['warmup_s']:6.1f} s  {row['tok_s']:7.1f} tok/s "
                   f"({row['tok_s'] / base['tok_s']:.2f}x, {row['fraction_of_roofline']:.1%} of the read roofline) "
-                  f"step {row['step_ms']:.3f} ms ({base['step_ms'] / row['step_ms']:.2f}x)  "
+                  f"step {row['step_ms']:.3f} ms ({base['step_ms'] / row['step_ms']:.2f}x; "
+                  f"{row['step_ms_no_guards']:.3f} without guards; compiled call's host "
+                  f"{row['compiled_call_host_ms']:.3f} ms)  "
                   f"same tokens: {row['identical_to_first']}  matches {row['matches']}")
 
 

@@ -3,8 +3,8 @@ one process, the same random weights (issue 25): compile warm-up (the first call
 a decode step's time (the difference of a long and a 2-token call), the tokens (every backend must give the
 default's), llmplug's match report, the host time a decode step spends inside the compiled call (Dynamo's guards and
 bytecode, the backend's launch) and the step with Dynamo's guard evaluation skipped (what the guards cost), and with
-``--profile`` each backend's GPU kernels per decode step by name (a separate run: timings after torch's profiler are
-not trusted).
+``--profile`` a decode step under torch's profiler (a separate run: timings after it are not trusted): the GPU's busy
+time (kernels overlapping under programmatic launch counted once), the kernels by name and torch.compile's host ranges.
 
     python benchmarks/compile_bench.py --model llama-8b --out results.json [--batch 4] [--profile]
 """
@@ -21,13 +21,7 @@ from transformers import CompileConfig
 
 import llmplug.inductor
 from llmplug.bench.shapes import build, weight_bytes
-from llmplug.bench.timing import ceilings, kernels_by_name, sync, time_call
-
-
-def kernels_per_step(model, gen: dict, steps: int) -> dict:
-    """GPU kernel time by kernel name over a ``steps``-token generate (prefill included), us per step."""
-    model.generate(**gen, max_new_tokens=steps)
-    return kernels_by_name(lambda: model.generate(**gen, max_new_tokens=steps), per=steps)
+from llmplug.bench.timing import ceilings, profile_steps, sync, time_call
 
 
 def compiled_call_host_ms(model, gen: dict, steps: int) -> float:
@@ -80,8 +74,9 @@ def main() -> None:
                    cache_implementation="static", compile_config=CompileConfig(backend=backend))
         row = {"backend": backend}
         if args.profile:
-            row["kernels_us_per_step"] = kernels_per_step(model, gen, 32)
-            row["gpu_us_per_step"] = sum(row["kernels_us_per_step"].values())
+            prof = profile_steps(lambda steps, gen=gen: model.generate(**gen, max_new_tokens=steps), long=34)
+            row["gpu_busy_us_per_step"] = prof["gpu_busy"]
+            row["kernels_us_per_step"], row["host_us_per_step"] = prof["kernels"], prof["host"]
         else:
             t0 = time.perf_counter()
             out = model.generate(**gen, max_new_tokens=args.new_tokens)
@@ -108,13 +103,18 @@ def main() -> None:
             row["identical_to_first"] = torch.equal(out, first)
         row["matches"] = llmplug.inductor.report()
         report["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "kernels_us_per_step"}), flush=True)
+        brief = {k: v for k, v in row.items() if k not in ("kernels_us_per_step", "host_us_per_step")}
+        print(json.dumps(brief), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     base = report["rows"][0]
     for row in report["rows"]:
         if args.profile:
-            print(f"\n{row['backend']}: {row['gpu_us_per_step']:.0f} us of kernels a step; the top 25:")
+            print(f"\n{row['backend']}: GPU busy {row['gpu_busy_us_per_step']:.0f} us a decode step "
+                  f"({sum(row['kernels_us_per_step'].values()):.0f} us of kernel durations); host ranges, us a step:")
+            for name, us in row["host_us_per_step"].items():
+                print(f"  {us:8.1f}  {name[:110]}")
+            print("  the top 25 kernels:")
             for name, us in list(row["kernels_us_per_step"].items())[:25]:
                 print(f"  {us:8.1f}  {name[:110]}")
         else:

@@ -41,30 +41,6 @@ def timed(host, calls, owner, name, label):
     timing.time_calls(owner, name, record)
 
 
-def busy_and_gaps(events, largest: int = 8) -> tuple[float, dict]:
-    """Seconds the GPU ran any kernel (the union of the kernels' intervals), and its idle gaps between the first and
-    last kernel by size: ``{">= 0.1 ms": (count, s), ">= 1 ms": (count, s), "all": (count, s), "largest": [(ms into
-    the run, gap ms, the kernel before, the kernel after), ...]}``."""
-    spans = sorted((e.time_range.start, e.time_range.start + e.device_time, e.name) for e in events)
-    total, lo, hi, last, gaps = 0.0, None, None, "", []
-    for s, e, name in spans:
-        if hi is None or s > hi:
-            if hi is not None:
-                total += hi - lo
-                gaps.append((s - hi, hi, last, name))
-            lo, hi, last = s, e, name
-        elif e > hi:
-            hi, last = e, name
-    total += 0 if hi is None else hi - lo
-    sizes = [g[0] for g in gaps]
-    by_size = {label: (len(g), sum(g) * 1e-6) for label, g in (
-        ("all", sizes), (">= 0.1 ms", [g for g in sizes if g >= 100]), (">= 1 ms", [g for g in sizes if g >= 1000]))}
-    first = spans[0][0] if spans else 0
-    by_size["largest"] = [(round((at - first) * 1e-3, 2), round(g * 1e-3, 3), before[:50], after[:50])
-                          for g, at, before, after in sorted(gaps, reverse=True)[:largest]]
-    return total * 1e-6, by_size
-
-
 def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -98,7 +74,7 @@ def main() -> None:
         _drop(engine)
         gc.collect()
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        busy, gaps = busy_and_gaps(kernels)
+        busy, gaps = timing.busy_and_gaps(kernels)
         by_kind, by_name = collections.Counter(), collections.Counter()
         for e in kernels:
             by_kind[kind(e.name)] += e.device_time * 1e-6

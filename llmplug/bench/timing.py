@@ -98,6 +98,68 @@ def kernels_by_name(fn: Callable[[], object], per: int = 1) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+def busy_and_gaps(events, largest: int = 8) -> tuple[float, dict]:
+    """Seconds the GPU ran any kernel (the union of the kernels' intervals), and its idle gaps between the first and
+    last kernel by size: ``{">= 0.1 ms": (count, s), ">= 1 ms": (count, s), "all": (count, s), "largest": [(ms into
+    the run, gap ms, the kernel before, the kernel after), ...]}``."""
+    spans = sorted((e.time_range.start, e.time_range.start + e.device_time, e.name) for e in events)
+    total, lo, hi, last, gaps = 0.0, None, None, "", []
+    for s, e, name in spans:
+        if hi is None or s > hi:
+            if hi is not None:
+                total += hi - lo
+                gaps.append((s - hi, hi, last, name))
+            lo, hi, last = s, e, name
+        elif e > hi:
+            hi, last = e, name
+    total += 0 if hi is None else hi - lo
+    sizes = [g[0] for g in gaps]
+    by_size = {label: (len(g), sum(g) * 1e-6) for label, g in (
+        ("all", sizes), (">= 0.1 ms", [g for g in sizes if g >= 100]), (">= 1 ms", [g for g in sizes if g >= 1000]))}
+    first = spans[0][0] if spans else 0
+    by_size["largest"] = [(round((at - first) * 1e-3, 2), round(g * 1e-3, 3), before[:50], after[:50])
+                          for g, at, before, after in sorted(gaps, reverse=True)[:largest]]
+    return total * 1e-6, by_size
+
+
+def profile_steps(fn: Callable[[int], object], long: int, short: int = 2) -> dict:
+    """One decode step of ``fn(steps)`` (a generate of ``steps`` new tokens), profiled: the difference of a ``long``
+    and a ``short`` call over ``long - short``, so prefill and per-call costs cancel. Returns us a step: ``gpu_busy``
+    (the union of the kernels' intervals: kernels that overlap under programmatic launch count once), ``kernels``
+    (by name, summed durations, largest first) and ``host`` (torch.compile's profiler ranges on the CPU by name:
+    Dynamo's cache lookup, the compiled graph's call, ...)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def one(steps: int) -> tuple[float, dict, dict]:
+        fn(steps)
+        sync("cuda" if torch.cuda.is_available() else "cpu")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn(steps)
+            sync("cuda" if torch.cuda.is_available() else "cpu")
+        events = prof.events()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        names: dict[str, float] = {}
+        for e in kernels:
+            names[e.name] = names.get(e.name, 0.0) + e.device_time
+        host: dict[str, float] = {}
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CPU and any(k in e.name for k in _COMPILE_RANGES):
+                host[e.name] = host.get(e.name, 0.0) + e.cpu_time_total
+        return 1e6 * busy_and_gaps(kernels)[0], names, host
+
+    (busy_l, names_l, host_l), (busy_s, names_s, host_s) = one(long), one(short)
+    per = long - short
+
+    def diff(a: dict, b: dict) -> dict:
+        return dict(sorted(((k, (v - b.get(k, 0.0)) / per) for k, v in a.items()), key=lambda kv: -kv[1]))
+
+    return {"gpu_busy": (busy_l - busy_s) / per, "kernels": diff(names_l, names_s), "host": diff(host_l, host_s)}
+
+
+# torch.compile's own profiler ranges (record_function names) that profile_steps reports
+_COMPILE_RANGES = ("Dynamo", "Compiled", "Pregraph", "AOT", "CUDAGraph", "cudagraph", "Torch-Compiled")
+
+
 def ceilings(device: str) -> dict:
     """Measured read bandwidth (bytes/s) and bf16 matmul rate (FLOP/s) on ``device`` (CUDA only)."""
     if torch.device(device).type != "cuda":

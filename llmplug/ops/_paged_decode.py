@@ -58,22 +58,31 @@ if triton is not None:
 
     @triton.jit
     def load_tile(t, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base, vs_base, stride_cb, stride_cp,
-                  stride_sb, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
+                  stride_sb, km_row, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, QUANT: tl.constexpr, DENSE: tl.constexpr, KEY_MASK: tl.constexpr):
         """Tile ``t``'s visible keys: ``(mask (BLOCK_N,), k, v (BLOCK_N, BLOCK_D) as stored, k / v scales
-        (BLOCK_N,))``; nothing is read when ``t >= t_end``. The scales are zeros for an unquantized cache."""
+        (BLOCK_N,))``; nothing is read when ``t >= t_end``. The scales are zeros for an unquantized cache. ``DENSE``:
+        ``k_base`` / ``v_base`` are the sequence's own ``PAGE`` tokens (no block table); ``KEY_MASK``: only keys whose
+        ``km_row`` byte (one a position) is non-zero are visible."""
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         pos = t * BLOCK_N + offs_n
         n_mask = (pos < n_keys) & (pos >= win_start) & (pos < t_end * BLOCK_N)  # t < t_end
-        # Block ids of the tile's tokens (masked: entries past the sequence are never read).
-        blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        in_page = (pos % PAGE).to(tl.int64)
+        if KEY_MASK:
+            n_mask = n_mask & (tl.load(km_row + pos, mask=n_mask, other=0) != 0)
         if BLOCK_D == HEAD_DIM:
             kv_mask = n_mask[:, None]
         else:
             kv_mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-        rows = blk * stride_cb + in_page * stride_cp  # K and V caches share one layout
+        if DENSE:
+            blk = 0
+            in_page = pos.to(tl.int64)
+            rows = in_page * stride_cp
+        else:
+            # Block ids of the tile's tokens (masked: entries past the sequence are never read).
+            blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+            in_page = (pos % PAGE).to(tl.int64)
+            rows = blk * stride_cb + in_page * stride_cp  # K and V caches share one layout
         k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if QUANT:

@@ -129,17 +129,20 @@ if triton is not None:
         lse_ptr, score_scale, cap_scale, window, num_heads, stride_qb, stride_qh, stride_cb, stride_cp, stride_ch,
         stride_sb, stride_sh, stride_bt, stride_ob, stride_oh,
         kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, stride_knb, stride_vnb, stride_cos, rope_half, counters_ptr,
-        GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
+        key_mask_ptr, stride_kmb,
+        GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
         QUANT: tl.constexpr, QMAX_: tl.constexpr, IS_INT: tl.constexpr, NEW_TOKEN: tl.constexpr,
         LAST_COMBINES: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-        PDL: tl.constexpr,
+        DENSE: tl.constexpr, KEY_MASK: tl.constexpr, PDL: tl.constexpr,
     ):
         # QUANT: fp8/int8 pages with per-token scales. NEW_TOKEN: q and each sequence's newest k arrive unrotated
         # (kn_ptr, vn_ptr: (B, Hkv * D) rows); the program of the split holding the last tile rotates and stores them
         # (:func:`store_new_key`) and folds that key in from registers. The pages it reads then hold only keys of
         # earlier steps, so they may be read before the PDL wait (the kernels two or more launches back have finished
         # when this one starts: each releases its successor only after its own wait).
+        # DENSE: the caches are ``(B, PAGE, Hkv, D)`` strided views, sequence ``b``'s keys all of block ``b`` (no block
+        # table, ``PAGE`` keys a sequence); KEY_MASK: ``key_mask_ptr`` bytes ``(B, PAGE)`` say which keys are visible.
         # Inductor passes Python floats as fp64 (eager Triton as fp32): pin them, or the scores turn fp64.
         score_scale = tl.cast(score_scale, tl.float32)
         cap_scale = tl.cast(cap_scale, tl.float32)
@@ -153,7 +156,10 @@ if triton is not None:
         if not PRELOAD:
             wait_inputs(PDL)
         # This split's tiles (split 0 runs even without any, so the combine finds lse = -inf there).
-        seq_len = tl.load(seq_lens_ptr + b)
+        if DENSE:
+            seq_len = PAGE
+        else:
+            seq_len = tl.load(seq_lens_ptr + b)
         n_keys, key_window = visible_keys(seq_len, window, NEW_TOKEN)
         win_start = tl.maximum(n_keys - key_window, 0)
         tile_lo, tile_hi, per_split, used = tile_split(n_keys, key_window, BLOCK_N, NUM_SPLITS)
@@ -164,14 +170,18 @@ if triton is not None:
         t_end = tl.minimum(t_start + per_split, tile_hi)
 
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+        km_row = key_mask_ptr + b.to(tl.int64) * stride_kmb
         k_base = k_cache_ptr + kvh.to(tl.int64) * stride_ch
         v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
+        if DENSE:
+            k_base += b.to(tl.int64) * stride_cb
+            v_base += b.to(tl.int64) * stride_cb
         ks_base = k_scale_ptr + kvh.to(tl.int64) * stride_sh
         vs_base = v_scale_ptr + kvh.to(tl.int64) * stride_sh
         if PRELOAD:
             n_mask, k, v, k_sc, v_sc = load_tile(t_start, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
-                                                 vs_base, stride_cb, stride_cp, stride_sb, PAGE, HEAD_DIM, BLOCK_D,
-                                                 BLOCK_N, QUANT)
+                                                 vs_base, stride_cb, stride_cp, stride_sb, km_row, PAGE, HEAD_DIM,
+                                                 BLOCK_D, BLOCK_N, QUANT, DENSE, KEY_MASK)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         if NEW_TOKEN:  # the token's RoPE row and slot: written before the previous kernel started
@@ -216,8 +226,8 @@ if triton is not None:
             t_first = t_start + 1
         for t in range(t_first, t_end):
             n_mask, k, v, k_sc, v_sc = load_tile(t, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
-                                                 vs_base, stride_cb, stride_cp, stride_sb, PAGE, HEAD_DIM, BLOCK_D,
-                                                 BLOCK_N, QUANT)
+                                                 vs_base, stride_cb, stride_cp, stride_sb, km_row, PAGE, HEAD_DIM,
+                                                 BLOCK_D, BLOCK_N, QUANT, DENSE, KEY_MASK)
             m_i, l_i, acc = attend_tile(q, n_mask, k, v, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, dt,
                                         SOFTCAP, QUANT, DOT_PRECISION, INTERPRETED)
         if NEW_TOKEN:
@@ -268,8 +278,10 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         NEW_TOKEN: tl.constexpr,
         INTERPRETED: tl.constexpr,
+        DENSE_LEN: tl.constexpr,
         PDL: tl.constexpr,
     ):
+        # DENSE_LEN > 0: every sequence has that many keys (a dense cache; ``seq_lens_ptr`` is not read).
         # NOTE: one head a program; combine_splits here was slower (H100, 2026-11-22; BENCHMARKS.md, "Latest: RoPE")
         wait_inputs(PDL)
         b = tl.program_id(0)
@@ -277,7 +289,11 @@ if triton is not None:
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         row0 = (b * num_heads + h).to(tl.int64) * NUM_SPLITS
-        n_keys, key_window = visible_keys(tl.load(seq_lens_ptr + b), window, NEW_TOKEN)
+        if DENSE_LEN > 0:
+            seq_len = DENSE_LEN
+        else:
+            seq_len = tl.load(seq_lens_ptr + b)
+        n_keys, key_window = visible_keys(seq_len, window, NEW_TOKEN)
         n_used = tile_split(n_keys, key_window, BLOCK_N, NUM_SPLITS)[3]  # the others wrote nothing
         lse = tl.load(lse_ptr + row0 + offs_s, mask=offs_s < n_used, other=float("-inf"))
         used = lse > float("-inf")  # -inf: no keys in the sequence
@@ -297,22 +313,25 @@ if triton is not None:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def launch_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, sliding_window: int) -> int:
-    """The flash-decoding split count a launch over ``q: (B, H, D)`` and these pages picks (static shapes only)."""
+def launch_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor | None,
+                  sliding_window: int) -> int:
+    """The flash-decoding split count a launch over ``q: (B, H, D)`` and these pages (``block_tables`` None: one
+    page a sequence, a dense cache) picks (static shapes only)."""
     block_d = max(16, next_pow2(q.shape[-1]))
     block_n = tile_config(block_d, q.element_size(), k_cache.element_size(), q.shape[0] * k_cache.shape[2])[0]
-    max_context = block_tables.shape[1] * k_cache.shape[1]
+    max_context = k_cache.shape[1] * (1 if block_tables is None else block_tables.shape[1])
     if sliding_window is not None and sliding_window > 0:
         max_context = min(max_context, sliding_window + block_n)
     return choose_num_splits(q.shape[0], k_cache.shape[2], max_context, block_n, sm_count(q.device))
 
 
-def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float, sliding_window: int, softcap: float, num_splits: int,
+def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor | None, seq_lens: torch.Tensor | None, scale: float,
+                            sliding_window: int, softcap: float, num_splits: int,
                             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                             new_token: tuple | None = None,
                             split_counters: torch.Tensor | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The decode attention kernels on validated inputs (see :func:`decode_attention`) -> ``(B, H, D)``.
 
     ``new_token = (k, v, cos, sin, slot_mapping)``: ``q`` and each sequence's newest key ``k, v: (B, Hkv, D)`` come
@@ -322,9 +341,20 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     zeros (left zeros) through which the last split of each kv head to finish finds out and combines the splits
     itself, instead of a second kernel. ``out``: ``(B, H, D)`` to write into (unit stride on the last dim), else a new
     tensor.
+
+    ``block_tables`` and ``seq_lens`` None: a dense cache, ``k_cache, v_cache: (B, P, Hkv, D)`` views of any strides
+    (unit stride on the last dim, one set for both), sequence ``b``'s ``P`` keys in row ``b``
+    (:mod:`llmplug.ops.dense_decode_attention`); ``key_mask``: ``(B, P)`` uint8, unit stride on the last dim (any on
+    the first), non-zero where a key is visible.
     """
+    dense = block_tables is None
     assert q.stride(-1) == 1, "q needs unit stride on the last dim"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    if dense:
+        assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride(), "dense caches: one layout, unit D"
+        assert k_scale is None and new_token is None, "a dense cache is neither quantized nor stores a new key"
+    else:
+        assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    assert key_mask is None or (key_mask.dtype == torch.uint8 and key_mask.stride(-1) == 1), "key_mask: (B, P) uint8"
     assert k_cache.shape == v_cache.shape, "k_cache and v_cache must have one shape (the kernel shares their strides)"
     bsz, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -360,6 +390,9 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         new_args = (k, v, cos, sin, slots, k.stride(0), v.stride(0), cos.stride(0), cos.shape[-1] // 2)
     else:  # placeholders, never touched
         new_args = (q, q, q, q, seq_lens, 0, 0, 0, 0)
+    if dense:  # placeholders, never touched
+        block_tables = seq_lens = torch.empty(1, dtype=torch.int32, device=q.device)
+    masked = key_mask is not None
     maybe_wrap(_decode_attn_kernel)[(num_kv_heads, bsz, splits)](
         q, k_cache, v_cache,
         k_scale if quant else k_cache, v_scale if quant else v_cache,  # placeholders, never touched
@@ -367,20 +400,22 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         window, num_heads, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides, block_tables.stride(0),
         out.stride(0), out.stride(1), *new_args, split_counters if split_counters is not None else seq_lens,
+        key_mask if masked else seq_lens, key_mask.stride(0) if masked else 0,  # a placeholder without a mask
         GROUP=group, PAGE=page, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, next_pow2(group)),
         BLOCK_N=block_n, NUM_SPLITS=splits, SOFTCAP=softcap > 0, QUANT=quant,
         QMAX_=QMAX[k_cache.dtype] if quant else 0.0, IS_INT=k_cache.dtype == torch.int8,
         NEW_TOKEN=new_token is not None, LAST_COMBINES=last_combines, BLOCK_S=next_pow2(splits),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Interpreter workarounds: its tl.dot mishandles bf16 and it truncates fp32 -> bf16 casts (see ``round_rne``).
-        INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
+        INTERPRETED=INTERPRET, DENSE=dense, KEY_MASK=masked, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(q),
     )
     if splits > 1 and not last_combines:
         maybe_wrap(_decode_attn_combine_kernel)[(bsz, num_heads)](
             part, lse, seq_lens, out, window, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
             HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=next_pow2(splits), BLOCK_D=block_d,
-            NEW_TOKEN=new_token is not None, INTERPRETED=INTERPRET, num_warps=1 if block_d <= 64 else 2,
-            **pdl_options(q),
+            NEW_TOKEN=new_token is not None, INTERPRETED=INTERPRET, DENSE_LEN=page if dense else 0,
+            num_warps=1 if block_d <= 64 else 2, **pdl_options(q),
         )
     return out
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch._guards import detect_fake_mode
 
 from ..ops.gemv import choose_config, norm_in_prologue
-from .nodes import is_call, value
+from .nodes import call, is_call, value
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -43,34 +42,14 @@ def _consumers(node) -> list:
     return out
 
 
-def _fake(target, *args):
-    """The fake value ``target(*args)`` gives, nodes standing for their traced values."""
-    def val(x):
-        return value(x) if isinstance(x, torch.fx.Node) else [val(a) for a in x] if isinstance(x, list) else x
-
-    vals = [val(x) for x in args]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, (torch.Tensor, list))])
-    if mode is None:
-        raise RuntimeError(f"llmplug's merge pass found no traced values for {target}'s inputs")
-    with mode:
-        return target(*vals)
-
-
-def _call(graph, target, *args):
-    """Insert ``target(*args)`` (at the graph's insertion point) with its fake value."""
-    node = graph.call_function(target, args)
-    node.meta["val"] = _fake(target, *args)
-    return node
-
-
 def _group_node(graph, x, weights, norm, gated):
     """``llmplug::gemv_group`` and its two outputs ``(y, residual_out)``."""
     n, k = sum(value(w).shape[0] for w in weights), value(weights[0]).shape[1]
     config = choose_config(n, k)  # an even row count a program, as a gated GEMV needs
     residual, norm_weight, eps, offset, round_first = norm or (None, None, 0.0, 0.0, True)
-    node = _call(graph, torch.ops.llmplug.gemv_group.default, x, list(weights), residual, norm_weight, eps, offset,
-                 round_first, gated, *config)
-    return node, _call(graph, operator.getitem, node, 0), _call(graph, operator.getitem, node, 1)
+    node = call(graph, torch.ops.llmplug.gemv_group.default, x, list(weights), residual, norm_weight, eps, offset,
+                round_first, gated, *config)
+    return node, call(graph, operator.getitem, node, 0), call(graph, operator.getitem, node, 1)
 
 
 def _plain_gemv(node) -> bool:
@@ -98,7 +77,7 @@ def group(graph: torch.fx.Graph) -> int:
                 offset = 0
                 for member in chunk:
                     n = value(member.args[1]).shape[0]
-                    part = _call(graph, aten.slice.Tensor, y, 1, offset, offset + n)
+                    part = call(graph, aten.slice.Tensor, y, 1, offset, offset + n)
                     member.replace_all_uses_with(part)
                     offset += n
             count += 1
@@ -149,12 +128,12 @@ def gate(graph: torch.fx.Graph) -> int:
         with graph.inserting_before(node):
             if fused is not None:
                 x, weight = node.args[0], node.args[1]
-                y = _call(graph, torch.ops.llmplug.gemv.default, x, weight, None, act.args[2], *node.args[4:8], False)
+                y = call(graph, torch.ops.llmplug.gemv.default, x, weight, None, act.args[2], *node.args[4:8], False)
             elif value(node.args[1][0]).shape == value(node.args[1][1]).shape:
                 _, y, _ = _group_node(graph, node.args[0], node.args[1], None, act.args[2])
             else:
                 continue
-            out = _call(graph, aten.view.default, y, list(value(act).shape))
+            out = call(graph, aten.view.default, y, list(value(act).shape))
         act.replace_all_uses_with(out)
         count += 1
     graph.eliminate_dead_code()
@@ -193,16 +172,16 @@ def prologue(graph: torch.fx.Graph) -> int:
         a, b, norm_weight, eps, offset, round_first = fused.args
         row = list(value(node.args[0]).shape)
         with graph.inserting_before(node):
-            x, residual = _call(graph, aten.view.default, a, row), _call(graph, aten.view.default, b, row)
+            x, residual = call(graph, aten.view.default, a, row), call(graph, aten.view.default, b, row)
             if is_call(node, torch.ops.llmplug.gemv.default):  # (x, weight, bias, gated, *config, fp32_out)
-                new = _call(graph, torch.ops.llmplug.add_norm_gemv.default, x, residual, norm_weight, eps, offset,
-                            round_first, node.args[1], node.args[2], node.args[3], *node.args[4:8])
-                y, residual_out = _call(graph, operator.getitem, new, 0), _call(graph, operator.getitem, new, 1)
+                new = call(graph, torch.ops.llmplug.add_norm_gemv.default, x, residual, norm_weight, eps, offset,
+                           round_first, node.args[1], node.args[2], node.args[3], *node.args[4:8])
+                y, residual_out = call(graph, operator.getitem, new, 0), call(graph, operator.getitem, new, 1)
             else:
                 _, y, residual_out = _group_node(graph, x, weights, (residual, norm_weight, eps, offset, round_first),
                                                  node.args[_GATED])
             if total is not None:
-                total.replace_all_uses_with(_call(graph, aten.view.default, residual_out, list(value(a).shape)))
+                total.replace_all_uses_with(call(graph, aten.view.default, residual_out, list(value(a).shape)))
         if is_call(node, torch.ops.llmplug.gemv.default):
             node.replace_all_uses_with(y)
         else:

@@ -213,3 +213,34 @@ def test_gemv_runs_under_programmatic_launch_and_skips_computed_weights(monkeypa
     torch.testing.assert_close(got, f(x, w), rtol=1e-5, atol=1e-5)
     assert llmplug.inductor.report()["gemv"] == 1
     assert scopes == [True]
+
+
+def _static_generate(model, ids, mask, new_tokens, backend=None):
+    """Stock HF ``generate`` over a static cache, its decode steps compiled with ``backend`` (None: eager)."""
+    from transformers import CompileConfig
+
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+              cache_implementation="static")
+    if backend is not None:
+        config = CompileConfig(backend=backend)
+        config._compile_all_devices = True  # HF compiles decode steps on CUDA only unless told
+        kw["compile_config"] = config
+    return model.generate(**kw)
+
+
+@pytest.mark.parametrize("family, lengths", [("llama", (6,)), ("llama", (3, 9, 5)), ("qwen3", (4, 8)),
+                                              ("mistral", (5, 10))])
+def test_static_cache_attention_becomes_llmplug_decode_attention(monkeypatch, family, lengths):
+    """HF's ``generate(cache_implementation="static", compile_config=CompileConfig(backend="llmplug"))``, fp32: each
+    decode step's SDPA over the static cache (its GQA copies, its mask: left padding, Mistral's sliding window)
+    becomes ``llmplug::dense_decode_attention`` (interpreted kernel on the CPU), one a layer, and the greedy tokens
+    are stock's (Mistral's sliding-window cache compiles a second graph: a layer's match in each)."""
+    from llmplug.inductor import attention
+
+    monkeypatch.setattr(attention, "DEVICES", ("cuda", "cpu"))
+    model = _model(family)
+    ids, mask = pad(prompts(len(lengths), lengths=lengths, vocab=120))
+    expected = _static_generate(model, ids, mask, 7)
+    assert torch.equal(_static_generate(model, ids, mask, 7, "llmplug"), expected)
+    matched, layers = llmplug.inductor.report()["dense_decode_attention"], model.config.num_hidden_layers
+    assert matched >= layers and matched % layers == 0

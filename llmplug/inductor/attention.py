@@ -4,16 +4,15 @@ instead of SDPA.
 A compiled HF decode step (``cache_implementation="static"``) attends one query token a sequence to the whole static
 cache: ``sdpa(q (B, H, 1, D), repeat_kv(k_cache), repeat_kv(v_cache), attn_mask=where(mask, 0, -inf))``, with the
 caches ``(B, Hkv, L, D)``, ``repeat_kv`` an ``unsqueeze`` + ``expand`` + ``clone`` that writes each cache ``H / Hkv``
-times over a step, and the mask ``(B or 1, 1, 1, L)`` bool. Each match becomes
-``llmplug::dense_decode_attention(q, k_cache, v_cache, mask, scale)``, which reads the caches where they lie, once a kv
-head (:mod:`llmplug.ops.dense_decode_attention`). Matched: one query token, no dropout, not causal, no output but the
-attention's used, a boolean mask (as is, or as HF's ``where(mask, 0, -inf)``) or none, on a device in :data:`DEVICES`
-(CUDA: elsewhere the op is only its reference).
+times over a step, and the mask ``(B or 1, 1, 1, L)`` bool (SDPA's CUDA kernels take it as a bias of 0 and a large
+negative number). Each match becomes ``llmplug::dense_decode_attention(q, k_cache, v_cache, mask, scale)``, which
+reads the caches where they lie, once a kv head (:mod:`llmplug.ops.dense_decode_attention`). Matched: one query
+token, no dropout, not causal, no output but the attention's used, a boolean mask (as is, or as such a bias) or none,
+on a device in :data:`DEVICES` (CUDA: elsewhere the op is only its reference).
 """
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -65,17 +64,25 @@ def _unrepeated(node, shape) -> torch.fx.Node | None:
     return node if value(node) is not None and value(node).dim() == 4 else None
 
 
-def _is_scalar(node, number: float) -> bool:
-    """``node`` is ``number`` or a 0-d ``full`` of it."""
+# A bias at or below this hides a key as -inf does (SDPA's CUDA kernels get a bool mask as ``where(mask, 0, -65536)``
+# in bf16): ``exp`` of it underflows to 0 in fp32 for scores of any realistic size. The difference is a row with no
+# visible key (SDPA averages such a row's values, llmplug's kernel gives zeros): a decode query always sees itself.
+_HIDDEN = -1e4
+
+
+def _scalar(node) -> float | None:
+    """The number ``node`` is (a Python number or a 0-d ``full``), or None."""
     if isinstance(node, (int, float)):
-        return node == number
-    return is_call(node, aten.full.default) and list(node.args[0]) == [] and node.args[1] == number
+        return float(node)
+    if is_call(node, aten.full.default) and list(node.args[0]) == [] and isinstance(node.args[1], (int, float)):
+        return float(node.args[1])
+    return None
 
 
 def _key_mask(mask, bsz: int, length: int):
     """``(mask node or None, ok)``: the boolean ``(b, 1, 1, L)`` mask (``b`` 1 or ``bsz``) behind SDPA's ``mask``
-    argument: a bool mask or HF's ``where(bool, 0, -inf)``, through broadcasts and the pad-then-slice that aligns a
-    mask's last dim for some SDPA kernels."""
+    argument: a bool mask or ``where(bool, 0, b)`` with ``b <= _HIDDEN`` (-inf too), through broadcasts and the
+    pad-then-slice that aligns a mask's last dim for some SDPA kernels."""
     if mask is None:
         return None, True
     while True:
@@ -84,8 +91,8 @@ def _key_mask(mask, bsz: int, length: int):
         elif is_call(mask, aten.slice.Tensor) and is_call(mask.args[0], aten.constant_pad_nd.default) and \
                 value(mask).shape == value(mask.args[0].args[0]).shape:
             mask = mask.args[0].args[0]
-        elif is_call(mask, aten.where.self) and _is_scalar(mask.args[1], 0.0) and \
-                _is_scalar(mask.args[2], -math.inf):
+        elif is_call(mask, aten.where.self) and _scalar(mask.args[1]) == 0.0 and \
+                (_scalar(mask.args[2]) or 0.0) <= _HIDDEN:
             mask = mask.args[0]
         else:
             break

@@ -244,3 +244,26 @@ def test_static_cache_attention_becomes_llmplug_decode_attention(monkeypatch, fa
     assert torch.equal(_static_generate(model, ids, mask, 7, "llmplug"), expected)
     matched, layers = llmplug.inductor.report()["dense_decode_attention"], model.config.num_hidden_layers
     assert matched >= layers and matched % layers == 0
+
+
+@pytest.mark.parametrize("hidden, matched", [(float("-inf"), 1), (-65536.0, 1), (-100.0, 0)])
+def test_decode_attention_mask_as_a_bias(monkeypatch, hidden, matched):
+    """HF's repeat_kv + SDPA with the mask as a bias ``where(mask, 0, hidden)``, as SDPA's CUDA kernels get it (bf16:
+    -65536): matched where ``hidden`` hides a key as -inf does, left to SDPA where it is a real bias; same output."""
+    import torch.nn.functional as F
+
+    from llmplug.inductor import attention
+
+    monkeypatch.setattr(attention, "DEVICES", ("cuda", "cpu"))
+
+    def f(q, k, v, mask):
+        kr, vr = (t[:, :, None].expand(2, 2, 3, 11, 16).reshape(2, 6, 11, 16) for t in (k, v))
+        return F.scaled_dot_product_attention(q, kr, vr, attn_mask=torch.where(mask, 0.0, hidden), scale=0.3)
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 1, 16), torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 16)
+    mask = torch.rand(2, 1, 1, 11) < 0.6
+    mask[..., 0] = True
+    got = torch.compile(f, backend="llmplug")(q, k, v, mask)
+    torch.testing.assert_close(got, f(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    assert llmplug.inductor.report()["dense_decode_attention"] == matched

@@ -6,7 +6,12 @@ bytecode, the backend's launch) and the step with Dynamo's guard evaluation skip
 ``--profile`` a decode step under torch's profiler (a separate run: timings after it are not trusted): the GPU's busy
 time (kernels overlapping under programmatic launch counted once), the kernels by name and torch.compile's host ranges.
 
-    python benchmarks/compile_bench.py --model llama-8b --out results.json [--batch 4] [--profile]
+    python benchmarks/compile_bench.py --model llama-8b --out results.json [--batch 4] [--profile] [--rounds 5]
+
+``--rounds N`` then times the backends alternately, N rounds of one call each, every backend compiled once in the one
+process (no Dynamo reset between them, so the later backends' warm-ups are a warm process's): the ratio's median over
+rounds, which the host's drift between timings moves less than one timing each (BENCHMARKS.md, "First session of
+2026-12-01").
 """
 
 import argparse
@@ -46,6 +51,23 @@ def compiled_call_host_ms(model, gen: dict, steps: int) -> float:
     return 1e3 * statistics.median(samples)
 
 
+def alternate(model, ids, compiled: dict, rounds: int, new_tokens: int) -> dict:
+    """Each backend's compiled call (as HF's ``get_compiled_call`` keeps it) timed in turn, ``rounds`` times: tok/s by
+    backend and round, and each backend's median ratio over rounds against the first backend's."""
+    tok_s = {backend: [] for backend in compiled}
+    for _ in range(rounds):
+        for backend, (call, config) in compiled.items():
+            model._compiled_call, model._last_compile_config = call, config
+            gen = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                       cache_implementation="static", compile_config=config)
+            t = time_call(lambda gen=gen: model.generate(**gen, max_new_tokens=new_tokens), "cuda", repeats=1,
+                          warmup=0)
+            tok_s[backend].append(ids.shape[0] * new_tokens / t["median"])
+    first = next(iter(compiled))
+    ratios = {b: statistics.median(x / y for x, y in zip(v, tok_s[first], strict=True)) for b, v in tok_s.items()}
+    return {"tok_s": tok_s, "median_ratio": ratios}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-8b")
@@ -54,6 +76,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="prompts a call (2-8: llmplug's skinny GEMV)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--rounds", type=int, default=0, help="then time the backends alternately, this many rounds")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     llmplug.inductor.register()
@@ -66,9 +89,10 @@ def main() -> None:
     report = {"model": args.model, "batch": args.batch, "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "transformers": transformers.__version__, "ceilings": ceil,
               "weight_bytes": weight_bytes(model), "rows": []}
-    first = None
+    first, compiled = None, {}
     for backend in args.backends:
-        torch._dynamo.reset()
+        if not args.rounds:
+            torch._dynamo.reset()
         llmplug.inductor.reset_report()
         gen = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                    cache_implementation="static", compile_config=CompileConfig(backend=backend))
@@ -101,10 +125,18 @@ def main() -> None:
             row["tokens_sha"] = hashlib.sha1(out.cpu().numpy().tobytes()).hexdigest()[:12]
             first = out if first is None else first
             row["identical_to_first"] = torch.equal(out, first)
+            if hasattr(model, "_compiled_call"):  # HF's cache of its compiled call (transformers 5.x)
+                compiled[backend] = (model._compiled_call, model._last_compile_config)
         row["matches"] = llmplug.inductor.report()
         report["rows"].append(row)
         brief = {k: v for k, v in row.items() if k not in ("kernels_us_per_step", "host_us_per_step")}
         print(json.dumps(brief), flush=True)
+    if args.rounds and not args.profile:
+        if len(compiled) != len(args.backends):
+            raise RuntimeError("--rounds needs HF's cached compiled call (model._compiled_call), which this "
+                               f"transformers {transformers.__version__} does not keep")
+        report["rounds"] = alternate(model, ids, compiled, args.rounds, args.new_tokens)
+        print("alternating rounds:", json.dumps(report["rounds"]), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     base = report["rows"][0]

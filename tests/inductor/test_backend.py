@@ -33,6 +33,19 @@ def _model(family):
     return make_model(family)
 
 
+def _static_generate(model, ids, mask, new_tokens, backend=None):
+    """Stock HF ``generate`` over a static cache, its decode steps compiled with ``backend`` (None: eager)."""
+    from transformers import CompileConfig
+
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+              cache_implementation="static")
+    if backend is not None:
+        config = CompileConfig(backend=backend)
+        config._compile_all_devices = True  # HF compiles decode steps on CUDA only unless told
+        kw["compile_config"] = config
+    return model.generate(**kw)
+
+
 @pytest.mark.parametrize("family", sorted(NORMS))
 def test_logits_match_and_every_norm_is_found(family):
     model = _model(family)
@@ -48,14 +61,22 @@ def test_logits_match_and_every_norm_is_found(family):
     assert report["act_mul"] == model.config.num_hidden_layers  # one gated activation a layer (Gemma 2: GELU-tanh)
 
 
-def test_greedy_generate_equals_stock():
-    model = _model("llama")
+@pytest.mark.parametrize("family", sorted(NORMS))
+def test_greedy_generate_equals_stock(family):
+    """Every family of the acceptance list, batched prompts of two lengths: the forward compiled with the backend
+    (dynamic cache), and HF's own static-cache compile with ``CompileConfig(backend="llmplug")``, give stock's greedy
+    tokens (fp32)."""
+    model = _model(family)
     ids, mask = pad(prompts(2, lengths=(5, 8), vocab=120))
+    expected_static = _static_generate(model, ids, mask, 8)
+    assert torch.equal(_static_generate(model, ids, mask, 8, "llmplug"), expected_static)
+    torch._dynamo.reset()
+    llmplug.inductor.reset_report()
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     expected = model.generate(**kw)
     model.forward = torch.compile(model.forward, backend="llmplug")
     assert torch.equal(model.generate(**kw), expected)
-    assert llmplug.inductor.report()["rms_norm"] >= NORMS["llama"]  # the first (static) graph's at least
+    assert llmplug.inductor.report()["rms_norm"] >= NORMS[family]  # the first (static) graph's at least
 
 
 def test_mode_and_options_reach_inductor(monkeypatch):
@@ -213,19 +234,6 @@ def test_gemv_runs_under_programmatic_launch_and_skips_computed_weights(monkeypa
     torch.testing.assert_close(got, f(x, w), rtol=1e-5, atol=1e-5)
     assert llmplug.inductor.report()["gemv"] == 1
     assert scopes == [True]
-
-
-def _static_generate(model, ids, mask, new_tokens, backend=None):
-    """Stock HF ``generate`` over a static cache, its decode steps compiled with ``backend`` (None: eager)."""
-    from transformers import CompileConfig
-
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-              cache_implementation="static")
-    if backend is not None:
-        config = CompileConfig(backend=backend)
-        config._compile_all_devices = True  # HF compiles decode steps on CUDA only unless told
-        kw["compile_config"] = config
-    return model.generate(**kw)
 
 
 @pytest.mark.parametrize("family, lengths", [("llama", (6,)), ("llama", (3, 9, 5)), ("qwen3", (4, 8)),

@@ -130,12 +130,14 @@ def profile_steps(fn: Callable[[int], object], long: int, short: int = 2) -> dic
     Dynamo's cache lookup, the compiled graph's call, ...)."""
     from torch.profiler import ProfilerActivity, profile
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
     def one(steps: int) -> tuple[float, dict, dict]:
         fn(steps)
-        sync("cuda" if torch.cuda.is_available() else "cpu")
+        sync(device)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn(steps)
-            sync("cuda" if torch.cuda.is_available() else "cpu")
+            sync(device)
         events = prof.events()
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         names: dict[str, float] = {}

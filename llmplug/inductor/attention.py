@@ -17,11 +17,10 @@ import operator
 
 import torch
 
-from .nodes import call, is_call, value
+from .nodes import call, is_call, is_view, value
 
 aten = torch.ops.aten
 DEVICES = ("cuda",)  # where the op is a kernel of its own; tests add "cpu" to exercise the matching
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _sdpa_ops() -> tuple:
@@ -48,7 +47,7 @@ def _unrepeated(node, shape) -> torch.fx.Node | None:
     """The ``(B, Hkv, L, D)`` cache that SDPA's key or value ``node`` of ``shape (B, H, L, D)`` is: itself (``H ==
     Hkv``), or what HF's ``repeat_kv`` expanded (``view(clone(expand(unsqueeze(cache, 2))))``); None otherwise."""
     base = node
-    if any(is_call(base, view) for view in _VIEWS):
+    if is_view(base):
         base = base.args[0]
     if is_call(base, aten.clone.default):
         base = base.args[0]
@@ -103,7 +102,8 @@ def _key_mask(mask, bsz: int, length: int):
 
 
 def match(node: torch.fx.Node) -> dict | None:
-    """An SDPA ``node`` of one query token over (repeated) caches -> ``{q, k, v, mask, scale, out}`` or None."""
+    """An SDPA ``node`` of one query token over (repeated) caches -> ``{q, k, v, mask, scale, outs}`` (``outs``: its
+    ``getitem(node, 0)`` users) or None."""
     if node.op != "call_function" or node.target not in _sdpa_ops():
         return None
     args = _arguments(node)

@@ -15,21 +15,16 @@ import operator
 import torch
 
 from ..ops.gemv import choose_config, norm_in_prologue
-from .nodes import call, is_call, value
+from .nodes import call, is_call, is_view, value
 
 aten = torch.ops.aten
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 MAX_GROUP = 3  # weights one launch reads (the kernel's stacked-row layout)
 _GATED = 7  # gemv_group's argument index of ``gated``
 
 
-def _is_view(node) -> bool:
-    return any(is_call(node, view) for view in _VIEWS)
-
-
 def _base(node):
     """``node`` with the views and reshapes above it stripped (the tensor whose data it is)."""
-    while _is_view(node):
+    while is_view(node):
         node = node.args[0]
     return node
 
@@ -38,7 +33,7 @@ def _consumers(node) -> list:
     """Every node that uses ``node``'s data, through views."""
     out = []
     for user in node.users:
-        out += _consumers(user) if _is_view(user) else [user]
+        out += _consumers(user) if is_view(user) else [user]
     return out
 
 

@@ -12,6 +12,14 @@ def is_call(node, target) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
 
 
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+def is_view(node) -> bool:
+    """``node`` is a view or reshape of its first argument."""
+    return any(is_call(node, view) for view in _VIEWS)
+
+
 def value(node):
     """The fake value tracing left on ``node`` (a tensor or a tuple), or None (not a node, or none recorded)."""
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None

@@ -449,7 +449,7 @@ def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softca
     return None
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the decode kernels take (dense ones too)
 
 
 def check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -469,8 +469,8 @@ def check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"head dim D={head_dim} > 256 is not supported")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"H={num_heads} query heads is not a multiple of Hkv={num_kv_heads} kv heads")
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"q dtype {q.dtype} is not supported; use one of {_DTYPES}")
+    if q.dtype not in QUERY_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} is not supported; use one of {QUERY_DTYPES}")
     if k_cache.dtype != v_cache.dtype or not (q.dtype == k_cache.dtype or is_quantized(k_cache.dtype)):
         raise ValueError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     check_scales(k_cache, v_cache, k_scale, v_scale)

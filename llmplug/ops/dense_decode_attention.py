@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import call_op, llmplug_op, use_triton
-from .decode_attention import launch_decode_attention
+from .decode_attention import QUERY_DTYPES, launch_decode_attention
 
 
 def dense_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
@@ -54,9 +54,6 @@ def _(q, k, v, key_mask, scale):
     return q.new_empty(q.shape)
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 def check_dense_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> None:
     """Raise ``ValueError`` naming the bad value unless :func:`dense_decode_attention` takes these inputs."""
     if q.dim() != 3 or k.dim() != 4:
@@ -68,8 +65,8 @@ def check_dense_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ma
         raise ValueError(f"H={num_heads} query heads is not a multiple of Hkv={k.shape[1]} kv heads")
     if head_dim > 256:
         raise ValueError(f"head dim D={head_dim} > 256 is not supported")
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype of {_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in QUERY_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype of {QUERY_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.stride() != v.stride() or k.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError(f"k and v need one layout and q, k, v unit stride on D; got strides {q.stride()}, "
                          f"{k.stride()}, {v.stride()}")

@@ -8,6 +8,8 @@ would load Dynamo, ~0.85 s, for every user).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # the private Inductor / Dynamo APIs the backend stands on (module, attribute); tests pin them on the CPU's torch
@@ -37,22 +39,31 @@ def check_apis() -> None:
 
 
 def llmplug_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
-    """Compile ``gm`` with Inductor, llmplug's passes installed before any post-grad pass the user set.
+    """Compile ``gm`` with Inductor, llmplug's passes installed before any post-grad pass the user had set.
 
     ``mode`` and ``options`` mean what they mean to ``torch.compile``'s Inductor (``"reduce-overhead"``: CUDA graphs,
-    as HF's ``CompileConfig`` asks by default); Dynamo hands them to a named backend as keywords."""
+    as HF's ``CompileConfig`` asks by default); Dynamo hands them to a named backend as keywords. The CUDA graphs are
+    llmplug's own (:mod:`llmplug.inductor.cuda_graphs`) where it can take the graph, Inductor's trees otherwise or
+    with ``LLMPLUG_CUDAGRAPH_TREES=1`` in the environment (a debugging toggle)."""
     check_apis()
     import torch._inductor.config as inductor_config
 
     from ..ops._triton import programmatic_launch
+    from .cuda_graphs import GraphedCall, why_not
     from .passes import LlmplugPass
 
     inductor = torch._TorchCompileInductorWrapper(mode, options, None)  # Inductor's own reading of mode and options
+    own_graphs = inductor.config.get("triton.cudagraphs", False) and why_not(example_inputs) is None and \
+        os.environ.get("LLMPLUG_CUDAGRAPH_TREES", "0") == "0"
+    if own_graphs:
+        inductor.config["triton.cudagraphs"] = False
     user = inductor_config.post_grad_custom_post_pass
     if isinstance(user, LlmplugPass):  # nested compile: already ours
         user = user.after
     with inductor_config.patch(post_grad_custom_post_pass=LlmplugPass(user)):
         compiled = inductor(gm, example_inputs)
+    if own_graphs:
+        return GraphedCall(compiled, example_inputs)
 
     def run(*args):
         # llmplug's kernels may start under their predecessors' tails (Hopper's programmatic dependent launch): a

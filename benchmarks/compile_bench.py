@@ -7,6 +7,7 @@ bytecode, the backend's launch) and the step with Dynamo's guard evaluation skip
 time (kernels overlapping under programmatic launch counted once), the kernels by name and torch.compile's host ranges.
 
     python benchmarks/compile_bench.py --model llama-8b --out results.json [--batch 4] [--profile] [--rounds 5]
+        [--backends inductor llmplug llmplug_trees]
 
 ``--rounds N`` then times the backends alternately, N rounds of one call each, every backend compiled once in the one
 process (no Dynamo reset between them, so the later backends' warm-ups are a warm process's): the ratio's median over
@@ -17,6 +18,7 @@ rounds, which the host's drift between timings moves less than one timing each (
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import time
 
@@ -27,6 +29,16 @@ from transformers import CompileConfig
 import llmplug.inductor
 from llmplug.bench.shapes import build, weight_bytes
 from llmplug.bench.timing import ceilings, profile_steps, sync, time_call
+
+
+def llmplug_trees(gm, example_inputs, **kwargs):
+    """``--backends llmplug_trees``: llmplug's passes under Inductor's CUDA-graph trees instead of the backend's own
+    graphs (the A/B of :mod:`llmplug.inductor.cuda_graphs`)."""
+    os.environ["LLMPLUG_CUDAGRAPH_TREES"] = "1"
+    try:
+        return llmplug.inductor.llmplug_backend(gm, example_inputs, **kwargs)
+    finally:
+        del os.environ["LLMPLUG_CUDAGRAPH_TREES"]
 
 
 def compiled_call_host_ms(model, gen: dict, steps: int) -> float:
@@ -80,6 +92,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     llmplug.inductor.register()
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "llmplug_trees" not in _BACKENDS:
+        register_backend(name="llmplug_trees")(llmplug_trees)
     torch.manual_seed(0)
     model = build(args.model, torch.bfloat16, "cuda")
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0

@@ -8,12 +8,13 @@ from pathlib import Path
 
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import act_mul, all_reduce, attention, gemv, merge, nodes, rms_norm
+from . import act_mul, all_reduce, attention, gemv, merge, nodes, rms_norm, rope_attention
 
 # pattern name -> replace(graph) -> matches (or matches by name); run in this order
 PATTERNS = {"rms_norm": rms_norm.replace, "add_rms_norm": rms_norm.fuse_residual,
             "all_reduce_add_rms_norm": all_reduce.fuse, "act_mul": act_mul.replace,
-            "dense_decode_attention": attention.replace, "gemv": gemv.replace, "gemv_group": merge.group,
+            "dense_decode_attention": attention.replace, "rope_dense_decode_attention": rope_attention.replace,
+            "gemv": gemv.replace, "gemv_group": merge.group,
             "gated_gemv": merge.gate, "norm_prologue": merge.prologue}
 _report: collections.Counter = collections.Counter()
 
@@ -49,7 +50,7 @@ class LlmplugPass(CustomGraphPass):
         """The FX graph cache key: llmplug's pattern sources and the user's pass's own key."""
         h = hashlib.sha256()
         h.update(Path(__file__).read_bytes())
-        for module in (nodes, rms_norm, all_reduce, act_mul, attention, gemv, merge):
+        for module in (nodes, rms_norm, all_reduce, act_mul, attention, rope_attention, gemv, merge):
             h.update(Path(module.__file__).read_bytes())
         after = getattr(self.after, "uuid", None)
         if self.after is not None:

@@ -58,16 +58,19 @@ if triton is not None:
 
     @triton.jit
     def load_tile(t, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base, vs_base, stride_cb, stride_cp,
-                  stride_sb, km_row, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  stride_sb, km_row, skip, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, QUANT: tl.constexpr, DENSE: tl.constexpr, KEY_MASK: tl.constexpr):
         """Tile ``t``'s visible keys: ``(mask (BLOCK_N,), k, v (BLOCK_N, BLOCK_D) as stored, k / v scales
         (BLOCK_N,))``; nothing is read when ``t >= t_end``. The scales are zeros for an unquantized cache. ``DENSE``:
-        ``k_base`` / ``v_base`` are the sequence's own ``PAGE`` tokens (no block table); ``KEY_MASK``: only keys whose
-        ``km_row`` byte (one a position) is non-zero are visible."""
+        ``k_base`` / ``v_base`` are the sequence's own ``PAGE`` tokens (no block table), position ``skip`` left out
+        (the new key's slot, folded in from registers; -1: none); ``KEY_MASK``: only keys whose ``km_row`` byte (one a
+        position) is non-zero are visible."""
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         pos = t * BLOCK_N + offs_n
         n_mask = (pos < n_keys) & (pos >= win_start) & (pos < t_end * BLOCK_N)  # t < t_end
+        if DENSE:
+            n_mask = n_mask & (pos != skip)
         if KEY_MASK:
             n_mask = n_mask & (tl.load(km_row + pos, mask=n_mask, other=0) != 0)
         if BLOCK_D == HEAD_DIM:
@@ -172,19 +175,20 @@ if triton is not None:
         return k, k_other, v
 
     @triton.jit
-    def store_new_key(k, k_other, v, cos, sin, rot, slot, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kvh, HKV, page,
+    def store_new_key(k, k_other, v, cos, sin, rot, slot, row, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kvh, HKV, page,
                       DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QMAX_: tl.constexpr,
                       IS_INT: tl.constexpr, INTERPRETED: tl.constexpr):
         """A sequence's new key and value ``k, v: (1, BLOCK_D)`` fp32 as projected (``k_other``: ``k`` at the RoPE
         partner columns) of kv head ``kvh``: rotate ``k`` (:func:`~llmplug.ops.rope_store_kv.rope_rows`), round both
-        to the model dtype, quantize them for an fp8/int8 cache and store them at flat slot ``slot`` (skipped when
-        negative), as :func:`~llmplug.ops.rope_store_kv.rope_store_kv` does. Returns ``(k, v, k_scale, v_scale)``:
-        the rows as stored (fp32) and ``(1,)`` scales (ones for an unquantized cache)."""
+        to the model dtype, quantize them for an fp8/int8 cache and store them at element offset ``row`` of the caches
+        (flat slot ``slot``'s row of the head; skipped when ``slot`` is negative), as
+        :func:`~llmplug.ops.rope_store_kv.rope_store_kv` does. Returns ``(k, v, k_scale, v_scale)``: the rows as
+        stored (fp32) and ``(1,)`` scales (ones for an unquantized cache)."""
         cols = tl.arange(0, BLOCK_D)
         d_mask = (cols < HEAD_DIM)[None, :]
         k = rope_rows(k, k_other, cos, sin, rot[None, :], DTYPE, INTERPRETED)
         v = rounded(v, DTYPE, INTERPRETED)
-        dst = (slot * HKV + kvh) * HEAD_DIM + cols[None, :]
+        dst = row + cols[None, :]
         cache_dt = kc_ptr.dtype.element_ty
         if QMAX_ > 0:
             k, k_sc = quantize_rows(k, QMAX_, IS_INT, INTERPRETED)

@@ -152,7 +152,8 @@ if triton is not None:
         dt = q_ptr.dtype.element_ty
         # With the context split, a program holds few tiles (often one): its first is loaded before the wait. With
         # one split a sequence, the whole context runs through the pipelined tile loop instead.
-        PRELOAD: tl.constexpr = NEW_TOKEN and NUM_SPLITS > 1
+        # (not over a dense cache: there the mask, position and RoPE rows come from kernels of the same graph)
+        PRELOAD: tl.constexpr = NEW_TOKEN and NUM_SPLITS > 1 and not DENSE
         if not PRELOAD:
             wait_inputs(PDL)
         # This split's tiles (split 0 runs even without any, so the combine finds lse = -inf there).
@@ -160,7 +161,7 @@ if triton is not None:
             seq_len = PAGE
         else:
             seq_len = tl.load(seq_lens_ptr + b)
-        n_keys, key_window = visible_keys(seq_len, window, NEW_TOKEN)
+        n_keys, key_window = visible_keys(seq_len, window, NEW_TOKEN and not DENSE)
         win_start = tl.maximum(n_keys - key_window, 0)
         tile_lo, tile_hi, per_split, used = tile_split(n_keys, key_window, BLOCK_N, NUM_SPLITS)
         if NUM_SPLITS > 1:
@@ -178,15 +179,22 @@ if triton is not None:
             v_base += b.to(tl.int64) * stride_cb
         ks_base = k_scale_ptr + kvh.to(tl.int64) * stride_sh
         vs_base = v_scale_ptr + kvh.to(tl.int64) * stride_sh
+        if NEW_TOKEN and DENSE:  # one new position for every sequence: HF's ``cache_position``
+            slot = tl.load(slot_ptr)
+            slot = tl.where((slot >= 0) & (slot < PAGE), slot, -1)  # outside the cache: nothing stored or folded
+            skip = slot
+        else:
+            skip = -1
         if PRELOAD:
             n_mask, k, v, k_sc, v_sc = load_tile(t_start, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
-                                                 vs_base, stride_cb, stride_cp, stride_sb, km_row, PAGE, HEAD_DIM,
-                                                 BLOCK_D, BLOCK_N, QUANT, DENSE, KEY_MASK)
+                                                 vs_base, stride_cb, stride_cp, stride_sb, km_row, skip, PAGE,
+                                                 HEAD_DIM, BLOCK_D, BLOCK_N, QUANT, DENSE, KEY_MASK)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         if NEW_TOKEN:  # the token's RoPE row and slot: written before the previous kernel started
             rot, partner, cos, sin = rope_row(cos_ptr + b * stride_cos, sin_ptr + b * stride_cos, offs_d, rope_half)
-            slot = tl.load(slot_ptr + b)
+            if not DENSE:
+                slot = tl.load(slot_ptr + b)
             if PRELOAD:
                 wait_inputs(PDL)
                 # every input the q/k/v projection wrote in one round trip: the queries below and, in the split
@@ -226,8 +234,8 @@ if triton is not None:
             t_first = t_start + 1
         for t in range(t_first, t_end):
             n_mask, k, v, k_sc, v_sc = load_tile(t, t_end, n_keys, win_start, bt_row, k_base, v_base, ks_base,
-                                                 vs_base, stride_cb, stride_cp, stride_sb, km_row, PAGE, HEAD_DIM,
-                                                 BLOCK_D, BLOCK_N, QUANT, DENSE, KEY_MASK)
+                                                 vs_base, stride_cb, stride_cp, stride_sb, km_row, skip, PAGE,
+                                                 HEAD_DIM, BLOCK_D, BLOCK_N, QUANT, DENSE, KEY_MASK)
             m_i, l_i, acc = attend_tile(q, n_mask, k, v, k_sc, v_sc, m_i, l_i, acc, score_scale, cap_scale, dt,
                                         SOFTCAP, QUANT, DOT_PRECISION, INTERPRETED)
         if NEW_TOKEN:
@@ -235,11 +243,24 @@ if triton is not None:
                 if not PRELOAD:  # read only now: not held in registers through the tile loop
                     k_new, k_new_other, v_new = load_new_key(kn_ptr, vn_ptr, b, kvh, stride_knb, stride_vnb,
                                                              partner, rot, seq_len > 0, HEAD_DIM, BLOCK_D)
+                if DENSE:  # the caches' strided (B, PAGE, Hkv, D) view
+                    row = b.to(tl.int64) * stride_cb + slot * stride_cp + kvh.to(tl.int64) * stride_ch
+                else:
+                    row = (slot * (num_heads // GROUP) + kvh) * HEAD_DIM
                 k_new, v_new, k_new_sc, v_new_sc = store_new_key(
-                    k_new, k_new_other, v_new, cos, sin, rot, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                    k_new, k_new_other, v_new, cos, sin, rot, slot, row, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                     v_scale_ptr, kvh, num_heads // GROUP, PAGE, dt, HEAD_DIM, BLOCK_D, QMAX_, IS_INT, INTERPRETED)
-                m_i, l_i, acc = fold_new_key(q, k_new, v_new, k_new_sc, v_new_sc, m_i, l_i, acc, score_scale,
-                                             cap_scale, dt, SOFTCAP, QUANT, INTERPRETED)
+                m_f, l_f, acc_f = fold_new_key(q, k_new, v_new, k_new_sc, v_new_sc, m_i, l_i, acc, score_scale,
+                                               cap_scale, dt, SOFTCAP, QUANT, INTERPRETED)
+                if DENSE:  # stored whatever the mask says, attended where it shows the key
+                    seen = slot >= 0
+                    if KEY_MASK:
+                        seen = seen & (tl.load(km_row + slot, mask=seen, other=0) != 0)
+                    m_i = tl.where(seen, m_f, m_i)
+                    l_i = tl.where(seen, l_f, l_i)
+                    acc = tl.where(seen, acc_f, acc)
+                else:
+                    m_i, l_i, acc = m_f, l_f, acc_f
 
         has_keys = l_i > 0.0
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # no keys (padding row / empty split): zeros
@@ -351,7 +372,7 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert q.stride(-1) == 1, "q needs unit stride on the last dim"
     if dense:
         assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride(), "dense caches: one layout, unit D"
-        assert k_scale is None and new_token is None, "a dense cache is neither quantized nor stores a new key"
+        assert k_scale is None, "a dense cache is not quantized"
     else:
         assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
     assert key_mask is None or (key_mask.dtype == torch.uint8 and key_mask.stride(-1) == 1), "key_mask: (B, P) uint8"
@@ -414,7 +435,7 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         maybe_wrap(_decode_attn_combine_kernel)[(bsz, num_heads)](
             part, lse, seq_lens, out, window, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
             HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=next_pow2(splits), BLOCK_D=block_d,
-            NEW_TOKEN=new_token is not None, INTERPRETED=INTERPRET, DENSE_LEN=page if dense else 0,
+            NEW_TOKEN=new_token is not None and not dense, INTERPRETED=INTERPRET, DENSE_LEN=page if dense else 0,
             num_warps=1 if block_d <= 64 else 2, **pdl_options(q),
         )
     return out

@@ -241,8 +241,9 @@ def test_gemv_runs_under_programmatic_launch_and_skips_computed_weights(monkeypa
 def test_static_cache_attention_becomes_llmplug_decode_attention(monkeypatch, family, lengths):
     """HF's ``generate(cache_implementation="static", compile_config=CompileConfig(backend="llmplug"))``, fp32: each
     decode step's SDPA over the static cache (its GQA copies, its mask: left padding, Mistral's sliding window)
-    becomes ``llmplug::dense_decode_attention`` (interpreted kernel on the CPU), one a layer, and the greedy tokens
-    are stock's (Mistral's sliding-window cache compiles a second graph: a layer's match in each)."""
+    becomes ``llmplug::dense_decode_attention`` (interpreted kernel on the CPU), one a layer, with the layer's RoPE
+    and cache stores folded in (``llmplug::rope_dense_decode_attention``) where the cache writes at one position, and
+    the greedy tokens are stock's (Mistral's sliding-window cache compiles a second graph: a layer's match in each)."""
     from llmplug.inductor import attention
 
     monkeypatch.setattr(attention, "DEVICES", ("cuda", "cpu"))
@@ -250,8 +251,11 @@ def test_static_cache_attention_becomes_llmplug_decode_attention(monkeypatch, fa
     ids, mask = pad(prompts(len(lengths), lengths=lengths, vocab=120))
     expected = _static_generate(model, ids, mask, 7)
     assert torch.equal(_static_generate(model, ids, mask, 7, "llmplug"), expected)
-    matched, layers = llmplug.inductor.report()["dense_decode_attention"], model.config.num_hidden_layers
-    assert matched >= layers and matched % layers == 0
+    report, layers = llmplug.inductor.report(), model.config.num_hidden_layers
+    assert report["dense_decode_attention"] >= layers and report["dense_decode_attention"] % layers == 0
+    # each with its RoPE and its cache stores folded in; not Mistral's: its sliding-window cache writes no index_put
+    folded = report["dense_decode_attention"] if family != "mistral" else 0
+    assert report["rope_dense_decode_attention"] == folded
 
 
 @pytest.mark.parametrize("hidden, matched", [(float("-inf"), 1), (-65536.0, 1), (-100.0, 0)])

@@ -177,8 +177,9 @@ def test_real_cuda_graphs_replay_a_compiled_step():
 @pytest.mark.gpu
 def test_hf_static_generate_through_the_backends_own_graphs(monkeypatch):
     """Stock ``generate(cache_implementation="static", compile_config=CompileConfig(backend="llmplug"))`` in fp32 on
-    the GPU: the decode steps replay llmplug's graphs (not Inductor's trees), the greedy tokens are eager's, over two
-    calls of different lengths (a new static cache: a new graph) and a repeat of the first."""
+    the GPU: the decode steps replay llmplug's graphs, and the greedy tokens are those of the same backend under
+    Inductor's trees (``LLMPLUG_CUDAGRAPH_TREES=1``: the same compiled kernels), over calls of two lengths (each a new
+    static cache) and a repeat of the first."""
     from transformers import CompileConfig
 
     from tests.tiny_models import make_model, pad, prompts
@@ -187,14 +188,18 @@ def test_hf_static_generate_through_the_backends_own_graphs(monkeypatch):
     real = cuda_graphs.GraphedCall.__init__
     monkeypatch.setattr(cuda_graphs.GraphedCall, "__init__",
                         lambda self, *a, **k: made.append(self) or real(self, *a, **k))
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = make_model("llama").cuda()
     ids, mask = (t.cuda() for t in pad(prompts(2, lengths=(3, 7), vocab=120)))
-    for new in (9, 5, 9):
-        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                  cache_implementation="static")
-        expected = model.generate(**kw)
-        assert torch.equal(model.generate(**kw, compile_config=CompileConfig(backend="llmplug")), expected)
-    assert made and all(call.ungraphed is None for call in made) and sum(len(c.graphs) for c in made) >= 2
+    tokens = {}
+    for trees in ("1", "0"):
+        monkeypatch.setenv("LLMPLUG_CUDAGRAPH_TREES", trees)
+        torch._dynamo.reset()
+        tokens[trees] = [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                        cache_implementation="static", compile_config=CompileConfig(backend="llmplug"))
+                         for new in (9, 5, 9)]
+        assert bool(made) == (trees == "0")
     torch._dynamo.reset()
+    for got, expected in zip(tokens["0"], tokens["1"], strict=True):
+        assert torch.equal(got, expected)
+    assert all(call.ungraphed is None for call in made) and all(call.graphs for call in made)

@@ -182,8 +182,10 @@ def test_hf_static_generate_through_the_backends_own_graphs(monkeypatch):
     static cache) and a repeat of the first."""
     from transformers import CompileConfig
 
+    import llmplug.inductor
     from tests.tiny_models import make_model, pad, prompts
 
+    llmplug.inductor.register()  # a checkout on PYTHONPATH has no installed entry point
     made = []
     real = cuda_graphs.GraphedCall.__init__
     monkeypatch.setattr(cuda_graphs.GraphedCall, "__init__",

@@ -8,7 +8,7 @@ outputs are copied out of the graph's memory (a caller may keep them across call
 lie, written in place as the graph writes them. Where a capture cannot be used (it fails, or an output is a view of an
 input, or a non-tensor) the compiled call runs without a graph, with a one-time warning.
 NOTE: a decode call's host time inside the backend, 8B shape: 0.13 ms against the trees' 0.33 (H200, 2026-12-02;
-BENCHMARKS.md, "the backend's own CUDA graphs").
+BENCHMARKS.md, "Session of 2026-12-02").
 """
 
 from __future__ import annotations

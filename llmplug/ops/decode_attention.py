@@ -366,7 +366,9 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``block_tables`` and ``seq_lens`` None: a dense cache, ``k_cache, v_cache: (B, P, Hkv, D)`` views of any strides
     (unit stride on the last dim, one set for both), sequence ``b``'s ``P`` keys in row ``b``
     (:mod:`llmplug.ops.dense_decode_attention`); ``key_mask``: ``(B, P)`` uint8, unit stride on the last dim (any on
-    the first), non-zero where a key is visible.
+    the first), non-zero where a key is visible. A dense ``new_token``'s ``slot_mapping`` is one ``(1,)`` position
+    for every row: its key is stored there, left out of the tile loop and folded in where ``key_mask`` shows it
+    (:mod:`llmplug.ops.rope_dense_decode_attention`).
     """
     dense = block_tables is None
     assert q.stride(-1) == 1, "q needs unit stride on the last dim"

@@ -20,7 +20,10 @@ PRIVATE_APIS = (("torch._inductor.config", "post_grad_custom_post_pass"), ("torc
                 ("torch._dynamo.backends.registry", "register_backend"), ("torch", "_TorchCompileInductorWrapper"),
                 ("torch._inductor.pattern_matcher", "register_replacement"),
                 ("torch._inductor.pattern_matcher", "PatternMatcherPass"),
-                ("torch._inductor.pattern_matcher", "fwd_only"))
+                ("torch._inductor.pattern_matcher", "fwd_only"),
+                ("torch._higher_order_ops.auto_functionalize", "auto_functionalized"),
+                ("torch._dynamo", "mark_static_address"), ("torch", "_debug_has_internal_overlap"),
+                ("torch", "_foreach_copy_"))
 
 
 def check_apis() -> None:

@@ -98,3 +98,22 @@ def test_gpu_matches_reference(length, position):
     torch.manual_seed(3)
     for bsz in (1, 4):
         _check(_inputs(bsz, 32, 8, 128, length, torch.bfloat16, position, device="cuda"))
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("see_new", [True, False])
+def test_split_contexts_fold_the_new_key_once(splits, see_new):
+    """Flash-decoding splits over a dense cache (what the interpreter's small shapes never choose on their own): the
+    new key folded in by one split only, its slot left out of every split's tiles."""
+    from llmplug.ops.decode_attention import launch_decode_attention
+
+    torch.manual_seed(4)
+    q, k, v, cos, sin, k_cache, v_cache, position, mask = _inputs(2, 4, 2, 32, 70, torch.float32, 40,
+                                                                  see_new=see_new)
+    caches = [k_cache.clone(), v_cache.clone()]
+    out = launch_decode_attention(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), None, None, 0.3, -1, 0.0,
+                                  splits, None, None, new_token=(k, v, cos, sin, position),
+                                  key_mask=mask.view(torch.uint8))
+    ref = rope_dense_decode_attention_ref(q, k, v, cos, sin, *caches, position, mask, 0.3)
+    torch.testing.assert_close(k_cache, caches[0], equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -105,9 +105,13 @@ class GraphedCall:
         reason = None
         buffers = [torch.empty_strided(inputs[j].shape, inputs[j].stride(), dtype=inputs[j].dtype,
                                        device=inputs[j].device) for j in self.dynamic]
+        storages = [inputs[j].untyped_storage().data_ptr() for j in self.dynamic]
         if any(torch._debug_has_internal_overlap(b) == 1 or inputs[j].is_inference() and not
                torch.is_inference_mode_enabled() for b, j in zip(buffers, self.dynamic, strict=True)):
             reason = "an input that cannot be copied into (expanded, or an inference tensor)"
+        elif len(set(storages)) < len(storages) or \
+                set(storages) & {inputs[i].untyped_storage().data_ptr() for i in self.static}:
+            reason = "inputs that share memory (copied in and out apart, a write to one would be lost)"
         else:
             args = list(inputs)
             for b, j in zip(buffers, self.dynamic, strict=True):
@@ -127,7 +131,8 @@ class GraphedCall:
             warnings.warn(f"llmplug's torch.compile backend runs a compiled graph without CUDA graphs: {reason}",
                           stacklevel=3)
             return None
-        ptrs = [t.data_ptr() if i in self.static else None for i, t in enumerate(inputs)]
+        static = set(self.static)
+        ptrs = [t.data_ptr() if i in static else None for i, t in enumerate(inputs)]
         captured = _Captured(graph, ptrs, buffers, list(outputs), type(outputs))
         self.graphs = [captured, *self.graphs[:MAX_GRAPHS - 1]]
         return captured

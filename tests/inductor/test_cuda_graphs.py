@@ -105,7 +105,7 @@ def test_a_graph_for_each_set_of_static_addresses_the_oldest_dropped(monkeypatch
     assert Graph.made == 4
 
 
-@pytest.mark.parametrize("case", ["view of an input", "capture fails", "outputs share memory"])
+@pytest.mark.parametrize("case", ["view of an input", "capture fails", "outputs share memory", "inputs share memory"])
 def test_what_a_graph_cannot_take_runs_without_one_after_a_warning(case):
     def returns_a_view(w, cache, x):
         return [op(lambda: x * 1, x)[:1]]
@@ -119,14 +119,25 @@ def test_what_a_graph_cannot_take_runs_without_one_after_a_warning(case):
         y = op(lambda: x * 2, torch.empty_like(x))
         return [y, y[1:]]
 
-    fn = {"view of an input": returns_a_view, "capture fails": fails, "outputs share memory": shares}[case]
+    def writes_a_view_of_the_cache(w, cache, x):  # x: a non-static view of the static cache
+        op(lambda: x + 1, x)
+        return [op(lambda: cache * 2, torch.empty_like(cache))]
+
+    fn = {"view of an input": returns_a_view, "capture fails": fails, "outputs share memory": shares,
+          "inputs share memory": writes_a_view_of_the_cache}[case]
     w, cache = _inputs()
     call = GraphedCall(fn, [w, cache, torch.randn(2, 5)], new_graph=Graph)
-    x = torch.randn(2, 5)
+    x = cache[:2] if case == "inputs share memory" else torch.randn(2, 5)
     call(w, cache, x)
+    expected_cache = cache.clone()
     with pytest.warns(UserWarning, match="without CUDA graphs"):
         got = call(w, cache, x)
-    torch.testing.assert_close(got, fn(w, cache, x.clone()))
+    if case == "inputs share memory":  # the write through the view reached the cache, and the output saw it
+        expected_cache[:2] += 1
+        torch.testing.assert_close(cache, expected_cache)
+        torch.testing.assert_close(got[0], cache * 2)
+    else:
+        torch.testing.assert_close(got, fn(w, cache, x.clone()))
     assert call.ungraphed is not None and call.graphs == []
     assert len(call(w, cache, x)) == len(got)  # no second warning, still right
 

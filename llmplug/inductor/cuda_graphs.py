@@ -5,10 +5,11 @@ not (the step's token ids, positions, mask). :class:`GraphedCall` runs the first
 captures one graph per set of static-input addresses and replays it: the other inputs are copied into the graph's own
 buffers before the replay and back out after it (so a graph that writes an input writes the caller's tensor), and the
 outputs are copied out of the graph's memory (a caller may keep them across calls). Static inputs are used where they
-lie, written in place as the graph writes them. Where a capture cannot be used (it fails, or an output is a view of an
-input, or a non-tensor) the compiled call runs without a graph, with a one-time warning.
-NOTE: a decode call's host time inside the backend, 8B shape: 0.13 ms against the trees' 0.33 (H200, 2026-12-02;
-BENCHMARKS.md, "Session of 2026-12-02").
+lie, written in place as the graph writes them. Where a capture cannot be used (it fails; an output is a view of an
+input, shares memory with another or is no tensor; inputs share memory or cannot be copied into) the compiled call runs
+without a graph, with a one-time warning.
+NOTE: a prototype's decode-call host time inside the backend, 8B shape: 0.13 ms against the trees' 0.33 (H200,
+2026-12-02; BENCHMARKS.md, "Session of 2026-12-02").
 """
 
 from __future__ import annotations

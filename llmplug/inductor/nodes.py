@@ -29,7 +29,7 @@ def dtype(node) -> torch.dtype | None:
     return getattr(value(node), "dtype", None)
 
 
-def _fake(target, *args):
+def fake_value(target, *args):
     """The fake value ``target(*args)`` gives, nodes standing for their traced values."""
     def val(x):
         return value(x) if isinstance(x, torch.fx.Node) else [val(a) for a in x] if isinstance(x, list) else x
@@ -45,5 +45,5 @@ def _fake(target, *args):
 def call(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
     """Insert ``target(*args)`` (at the graph's insertion point) with its fake value."""
     node = graph.call_function(target, args)
-    node.meta["val"] = _fake(target, *args)
+    node.meta["val"] = fake_value(target, *args)
     return node

@@ -17,7 +17,7 @@ import operator
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
-from .nodes import _fake, call, is_call, is_view, value
+from .nodes import call, fake_value, is_call, is_view, value
 
 aten = torch.ops.aten
 
@@ -142,8 +142,8 @@ def replace(graph: torch.fx.Graph) -> int:
                           v_cache=found["v_cache"], position=found["position"], key_mask=found["mask"],
                           scale=found["scale"])
             fused = graph.call_function(auto_functionalized, (op,), kwargs)
-            fused.meta["val"] = (value(node), _fake(aten.clone.default, found["k_cache"]),
-                                 _fake(aten.clone.default, found["v_cache"]))
+            fused.meta["val"] = (value(node), fake_value(aten.clone.default, found["k_cache"]),
+                                 fake_value(aten.clone.default, found["v_cache"]))
             outs = []
             for i in range(3):
                 outs.append(graph.call_function(operator.getitem, (fused, i)))

@@ -191,7 +191,7 @@ if triton is not None:
                                                  HEAD_DIM, BLOCK_D, BLOCK_N, QUANT, DENSE, KEY_MASK)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
-        if NEW_TOKEN:  # the token's RoPE row and slot: written before the previous kernel started
+        if NEW_TOKEN:  # the token's RoPE row and slot: in the runtime, written before the previous kernel started
             rot, partner, cos, sin = rope_row(cos_ptr + b * stride_cos, sin_ptr + b * stride_cos, offs_d, rope_half)
             if not DENSE:
                 slot = tl.load(slot_ptr + b)

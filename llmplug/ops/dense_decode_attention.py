@@ -32,6 +32,14 @@ def dense_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out.reshape(bsz, num_heads, head_dim)
 
 
+def kernel_layouts(q: torch.Tensor, key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``q`` with a unit stride on D and ``key_mask`` as the kernel's ``uint8`` bytes (unit stride on L), copied once
+    where a compiled graph handed other layouts (HF's are these already)."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    mask = None if key_mask is None else key_mask.view(torch.uint8)  # bool bytes, read as 0 / 1
+    return q, mask if mask is None or mask.stride(-1) == 1 else mask.contiguous()
+
+
 @llmplug_op("dense_decode_attention")
 def _dense_decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                                scale: float) -> torch.Tensor:
@@ -39,11 +47,9 @@ def _dense_decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return dense_decode_attention_ref(q, k, v, key_mask, scale)
     # a compiled graph hands its tensors in the layouts Inductor chose: HF's are these already (q a row of heads, the
     # caches sharing strides, the mask's keys adjacent); anything else is copied once rather than refused
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    q, mask = kernel_layouts(q, key_mask)
     if k.stride(-1) != 1 or k.stride() != v.stride():
         k, v = k.contiguous(), v.contiguous()
-    mask = None if key_mask is None else key_mask.view(torch.uint8)  # bool bytes, read as 0 / 1
-    mask = mask if mask is None or mask.stride(-1) == 1 else mask.contiguous()
     # (B, Hkv, L, D) seen as one (L, Hkv, D) page a sequence: the kernel walks any strides
     return launch_decode_attention(q, k.transpose(1, 2), v.transpose(1, 2), None, None, scale, -1, 0.0, 0, None, None,
                                    key_mask=mask)

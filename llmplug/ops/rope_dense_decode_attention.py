@@ -14,7 +14,7 @@ import torch
 
 from ._triton import call_op, llmplug_op, use_triton
 from .decode_attention import launch_decode_attention
-from .dense_decode_attention import check_dense_inputs, dense_decode_attention_ref
+from .dense_decode_attention import check_dense_inputs, dense_decode_attention_ref, kernel_layouts
 from .rope_store_kv import apply_rope_ref
 
 
@@ -38,13 +38,11 @@ def _rope_dense_decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.T
     if not use_triton(q):
         return rope_dense_decode_attention_ref(q, k, v, cos, sin, k_cache, v_cache, position, key_mask, scale)
     # the layouts Inductor hands over are HF's (see :mod:`.dense_decode_attention`); others are copied once
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    q, mask = kernel_layouts(q, key_mask)
     k, v = (t if t.stride(-1) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (k, v))
     if cos.stride(-1) != 1 or cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride(), "the caches are written where they lie"
-    mask = None if key_mask is None else key_mask.view(torch.uint8)
-    mask = mask if mask is None or mask.stride(-1) == 1 else mask.contiguous()
     return launch_decode_attention(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), None, None, scale, -1, 0.0, 0,
                                    None, None, new_token=(k, v, cos, sin, position), key_mask=mask)
 

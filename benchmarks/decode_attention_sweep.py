@@ -1,7 +1,7 @@
 """Decode attention at serving batch sizes: GPU time of each tile configuration and split count against the default.
 
 Usage: python benchmarks/decode_attention_sweep.py OUT.json [--head-dims 64 128] [--batches 64 128 256]
-           [--contexts 512 1024 2048]
+           [--contexts 512 1024 2048] [--block-ns 32 64 128 256] [--warps 4 8] [--stages 2 3] [--splits 0 1 2]
 
 Each call is captured in a CUDA graph over rotating copies of the pool (larger than L2 together) and replayed. The
 bytes counted are the K/V pages the batch's contexts cover. Every configuration's output is checked against the
@@ -54,8 +54,9 @@ def run(q, seq_lens, pool, splits: int) -> torch.Tensor:
     return dmod.decode_attention(q, k, v, tables, seq_lens, q.shape[-1] ** -0.5, _num_splits=splits)
 
 
-def sweep(d: int, b: int, c: int, ceil: dict, device: str = "cuda") -> dict:
-    """Every configuration of one (head dim, batch, context) against the default, GPU time per call."""
+def sweep(d: int, b: int, c: int, ceil: dict, grid=(BLOCK_NS, WARPS, STAGES, SPLITS), device: str = "cuda") -> dict:
+    """Every configuration of ``grid`` (tile sizes, warps, stages, splits) at one (head dim, batch, context)
+    against the default, GPU time per call."""
     default = dmod.tile_config
     kv_bytes = 2 * b * c * KV_HEADS * d * 2
     copies = max(2, -(-(200 << 20) // kv_bytes))  # > 100 MB of pages together: no L2 reuse
@@ -63,7 +64,7 @@ def sweep(d: int, b: int, c: int, ceil: dict, device: str = "cuda") -> dict:
     want = run(q, seq_lens, pool[0], 0)
     base = timing.graph_time(lambda p: run(q, seq_lens, p, 0), pool)
     results = []
-    for block_n, warps, stages, splits in itertools.product(BLOCK_NS, WARPS, STAGES, SPLITS):
+    for block_n, warps, stages, splits in itertools.product(*grid):
         config = [block_n, warps, stages, splits]
         dmod.tile_config = lambda *a, _c=(block_n, warps, stages): _c
         try:
@@ -79,7 +80,7 @@ def sweep(d: int, b: int, c: int, ceil: dict, device: str = "cuda") -> dict:
     timed = [r for r in results if "us" in r]
     best = min(timed, key=lambda r: r["us"]) if timed else None
     row = {"head_dim": d, "batch": b, "context": c, "kv_bytes": kv_bytes, "default_us": base * 1e6,
-           "default_config": list(default(max(16, d), 2, 2, b * KV_HEADS))
+           "default_config": list(default(max(16, d), 2, 2, b * KV_HEADS, dmod.gpu_name(q.device)))
            + [dmod.launch_splits(q, pool[0][0], pool[0][2], -1)],
            "default_fraction": kv_bytes / base / ceil["read_bytes_per_s"], "best": best, "all": results}
     if best:
@@ -93,11 +94,16 @@ def main() -> None:
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--block-ns", type=int, nargs="+", default=list(BLOCK_NS))
+    ap.add_argument("--warps", type=int, nargs="+", default=list(WARPS))
+    ap.add_argument("--stages", type=int, nargs="+", default=list(STAGES))
+    ap.add_argument("--splits", type=int, nargs="+", default=list(SPLITS), help="0: the default's choice")
     args = ap.parse_args()
+    grid = (args.block_ns, args.warps, args.stages, args.splits)
     ceil = timing.ceilings("cuda")
     rows = []
     for d, b, c in itertools.product(args.head_dims, args.batches, args.contexts):
-        row = sweep(d, b, c, ceil)
+        row = sweep(d, b, c, ceil, grid)
         rows.append(row)
         best = row["best"]
         print(f"D={d} batch {b} ctx {c}: default {row['default_config']} {row['default_us']:.1f} us "

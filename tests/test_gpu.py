@@ -39,6 +39,19 @@ def test_decode_attention_cuda(d, h, hkv, window, softcap, dtype):
     assert_close_matmul_like(out, ref64, same)
 
 
+@pytest.mark.parametrize("b", [32, 128])
+def test_decode_attention_serving_batches_cuda(b):
+    """The 1B shape at 256 and 1,024 (sequence, kv head) programs: where tile_config tiles GPUs apart."""
+    torch.manual_seed(b)
+    d, h, hkv, p = 64, 32, 8, 16
+    lens = torch.randint(1, 1100, (b,), dtype=torch.int32, device="cuda")
+    kc, vc, bt = _paged(b, 1100, hkv, d, p, torch.bfloat16)
+    q = torch.randn(b, h, d, dtype=torch.bfloat16, device="cuda")
+    out = decode_attention(q, kc, vc, bt, lens, d**-0.5)
+    ref64 = decode_attention_ref(q.double(), kc.double(), vc.double(), bt, lens, d**-0.5)
+    assert_close_matmul_like(out, ref64, decode_attention_ref(q, kc, vc, bt, lens, d**-0.5))
+
+
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("d,h,hkv,window,softcap,rotary", [(128, 32, 8, -1, 0.0, 128), (64, 16, 16, 100, 0.0, 64),
                                                             (256, 8, 4, 300, 50.0, 128), (80, 12, 4, -1, 0.0, 32)])

@@ -256,17 +256,37 @@ def sm_count(device: torch.device) -> int:
     return INTERPRETER_SMS
 
 
-def tile_config(head_dim: int, elem_size: int, cache_elem_size: int, programs: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)`` for a (padded) head dim, the query's and cache's element sizes and the
-    launch's (sequence, kv head) programs before splitting."""
+def tile_config(head_dim: int, elem_size: int, cache_elem_size: int, programs: int,
+                gpu: str = "") -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` for a (padded) head dim, the query's and cache's element sizes, the
+    launch's (sequence, kv head) programs before splitting and the GPU's name (:func:`gpu_name`)."""
     # NOTE: a K or V tile <= 16 KiB; sizes from H100 timings, 2026-11-22/27 (BENCHMARKS.md, "Figures moved from code")
     if elem_size >= 4:
         return 16, 4, 3
     if cache_elem_size == 1:
         return (128 if head_dim <= 128 else 64), 4, 3
-    if head_dim <= 64 and programs >= 1024:
+    if head_dim <= 64 and "H200" in gpu:
+        # NOTE: an H200's faster memory wants more bytes in flight a program (H200, 2026-12-02; BENCHMARKS.md,
+        # "Decode attention tiles on an H200")
+        if programs >= 1024:
+            return 64, 4, 2
+        if programs >= 256:
+            return 128, 4, 3
+    elif head_dim <= 64 and programs >= 1024:
         return 32, 4, 3
     return (64 if head_dim <= 128 else 32), 4, 3
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def gpu_name(device: torch.device) -> str:
+    """The CUDA device's name (``""`` off CUDA): :func:`tile_config` tiles some GPUs apart."""
+    if device.type == "cuda":
+        return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+    return ""
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:

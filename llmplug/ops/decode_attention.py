@@ -43,6 +43,7 @@ from ._paged_decode import (
     choose_num_splits,
     combine_splits,
     fold_new_key,
+    gpu_name,
     load_new_key,
     load_tile,
     sm_count,
@@ -339,7 +340,8 @@ def launch_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
     """The flash-decoding split count a launch over ``q: (B, H, D)`` and these pages (``block_tables`` None: one
     page a sequence, a dense cache) picks (static shapes only)."""
     block_d = max(16, next_pow2(q.shape[-1]))
-    block_n = tile_config(block_d, q.element_size(), k_cache.element_size(), q.shape[0] * k_cache.shape[2])[0]
+    block_n = tile_config(block_d, q.element_size(), k_cache.element_size(), q.shape[0] * k_cache.shape[2],
+                          gpu_name(q.device))[0]
     max_context = k_cache.shape[1] * (1 if block_tables is None else block_tables.shape[1])
     if sliding_window is not None and sliding_window > 0:
         max_context = min(max_context, sliding_window + block_n)
@@ -390,7 +392,7 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     block_d = max(16, next_pow2(head_dim))
     block_n, num_warps, num_stages = tile_config(block_d, q.element_size(), k_cache.element_size(),
-                                                 bsz * num_kv_heads)
+                                                 bsz * num_kv_heads, gpu_name(q.device))
     splits = num_splits if num_splits > 0 else launch_splits(q, k_cache, block_tables, sliding_window)
     if splits > 1:
         part = torch.empty((bsz, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)

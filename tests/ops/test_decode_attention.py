@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from llmplug.ops._paged_decode import choose_num_splits
+from llmplug.ops import decode_attention as dmod
+from llmplug.ops._paged_decode import choose_num_splits, tile_config
 from llmplug.ops._triton import cpu_kernels
 from llmplug.ops.decode_attention import decode_attention, decode_attention_ref
 from llmplug.quant.formats import sqnr_db
@@ -143,6 +144,27 @@ def test_num_splits_heuristic():
     assert choose_num_splits(64, 8, 8192, 64, 132) == 1  # batch 64 fills the GPU without splitting
     assert choose_num_splits(1, 8, 100, 64, 132) == 1  # too short to split
     assert 1 <= choose_num_splits(1, 1, 10**7, 16, 10**4) <= 64
+
+
+def test_tiles_by_gpu():
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    assert tile_config(64, 2, 2, 1024, h100) == (32, 4, 3) == tile_config(64, 2, 2, 1024)
+    assert tile_config(64, 2, 2, 1024, h200) == (64, 4, 2)  # more bytes in flight on the faster memory
+    assert tile_config(64, 2, 2, 256, h200) == (128, 4, 3)
+    assert tile_config(64, 2, 2, 255, h200) == tile_config(64, 2, 2, 512, h100) == (64, 4, 3)
+    assert tile_config(128, 2, 2, 1024, h200) == tile_config(128, 2, 2, 1024, h100) == (64, 4, 3)
+    assert tile_config(64, 2, 1, 1024, h200) == (128, 4, 3)  # 1-byte pages: their own rule
+
+
+@pytest.mark.parametrize("tile", [(64, 4, 2), (128, 4, 3)])
+def test_h200_tiles(monkeypatch, tile):
+    """The tiles the H200 gets, on the interpreter: odd lengths over several tiles, 1 and 3 splits."""
+    monkeypatch.setattr(dmod, "tile_config", lambda *a: tile)
+    torch.manual_seed(5)
+    case = _paged([1, 130, 300, 77], 8, 2, 64, 16, torch.bfloat16)
+    with cpu_kernels(True):
+        for splits in (1, 3):
+            _check(*case, splits=splits)
 
 
 def test_bad_inputs():

@@ -289,16 +289,17 @@ def gpu_name(device: torch.device) -> str:
     return ""
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int,
+                      min_tiles: int = MIN_TILES_PER_SPLIT) -> int:
     """Flash-decoding split count from static quantities only (CUDA-graph safe: never from ``seq_lens`` values).
 
     Aims for about two programs per SM (``batch * num_kv_heads * splits >= 2 * num_sms``), but gives every split at
-    least ``MIN_TILES_PER_SPLIT`` tiles of the longest possible context, and caps at ``MAX_SPLITS``; rounded down
+    least ``min_tiles`` tiles of the longest possible context, and caps at ``MAX_SPLITS``; rounded down
     to a power of two. E.g. on 132 SMs with 8 kv heads and 8k context in 64-token tiles: batch 1 -> 32 splits,
     batch 8 -> 4, batch 64 -> 1.
     """
     # NOTE: guesses, untuned; 1 split won at batch 128-256 (H100, 2026-11-27; BENCHMARKS.md, "Decode attention tiles")
     want = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
-    cap = max(1, triton.cdiv(max_context, block_n) // MIN_TILES_PER_SPLIT)
+    cap = max(1, triton.cdiv(max_context, block_n) // min_tiles)
     splits = max(1, min(want, cap, MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)  # a power of two: the split count is a kernel constant, so few compiles

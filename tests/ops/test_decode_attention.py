@@ -144,6 +144,20 @@ def test_num_splits_heuristic():
     assert choose_num_splits(64, 8, 8192, 64, 132) == 1  # batch 64 fills the GPU without splitting
     assert choose_num_splits(1, 8, 100, 64, 132) == 1  # too short to split
     assert 1 <= choose_num_splits(1, 1, 10**7, 16, 10**4) <= 64
+    assert choose_num_splits(1, 8, 384, 64, 132) == 1  # a paged context: at least four tiles a split
+    assert choose_num_splits(1, 8, 384, 64, 132, min_tiles=1) == 4  # a dense cache's: one tile each
+
+
+def test_dense_caches_split_to_one_tile():
+    q = torch.zeros(1, 32, 64)
+    block_n = dmod.tile_config(64, 4, 4, 8)[0]
+    # a split a tile, rounded up to a power of two: 3 tiles -> 4 splits, 5 -> 8 (2 programs an SM: 2 * 4 interpreter
+    # SMs over 1 kv head allow 8), 20 -> 8
+    for tiles, splits in ((3, 4), (5, 8), (20, 8)):
+        assert dmod.launch_splits(q, torch.zeros(1, tiles * block_n - 1, 1, 64), None, -1) == splits
+    pages = torch.zeros(16, 16, 1, 64)  # paged: at least four tiles a split
+    table = torch.zeros(1, (3 * block_n) // 16, dtype=torch.int32)
+    assert dmod.launch_splits(q, pages, table, -1) == 1
 
 
 def test_tiles_by_gpu():

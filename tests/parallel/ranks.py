@@ -47,7 +47,11 @@ class _Array:
         return torch.from_numpy(self.bytes.copy()).view(self.dtype).reshape(self.shape)
 
 
-def _worker(rank: int, size: int, store: str, fn, args, queue, backend: str) -> None:
+def _worker(rank: int, size: int, store: str, fn, args, queue, backend: str, kernels: bool, env: dict) -> None:
+    from llmplug.ops._triton import INTERPRET, cpu_kernels
+
+    os.environ.clear()  # the caller's environment now, not the one the fork server started with
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -56,7 +60,8 @@ def _worker(rank: int, size: int, store: str, fn, args, queue, backend: str) -> 
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=size,
                                 timeout=timedelta(seconds=60))
-        queue.put((rank, _detached(fn(rank, *args)), None))
+        with cpu_kernels(kernels and INTERPRET):
+            queue.put((rank, _detached(fn(rank, *args)), None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, None, traceback.format_exc()))
     finally:
@@ -64,16 +69,38 @@ def _worker(rank: int, size: int, store: str, fn, args, queue, backend: str) -> 
             dist.destroy_process_group()
 
 
+_PRELOAD = ["torch", "transformers", "llmplug", "tests.tiny_models"]
+
+
+def _context(backend: str):
+    """How ranks start. gloo: forked by one server process that imported torch, transformers and llmplug once
+    (``forkserver``), so a rank starts without its ~7 s of imports; variables read at import time
+    (``TRITON_INTERPRET``) are the server's, the rest of the caller's environment is set again in each rank (see
+    :func:`_worker`). nccl: spawned, each rank a fresh interpreter that initializes CUDA itself."""
+    if backend == "nccl":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_ranks(size: int, fn, *args, timeout: float = 300.0, reporting: int | None = None,
-              backend: str = "gloo") -> list:
+              backend: str = "gloo", kernels: bool = False) -> list:
     """``fn(rank, *args)`` on ``size`` processes (a module-level function) joined by ``backend`` (``"nccl"``: one GPU
     a rank); its results by rank (None for a rank that never reported, when only ``reporting`` of them are expected
-    to). Raises with a rank's traceback if one failed."""
-    ctx = mp.get_context("spawn")
+    to). Raises with a rank's traceback if one failed.
+
+    ``kernels``: the ranks' CPU tensors go through the interpreted Triton kernels (under ``TRITON_INTERPRET=1``), as
+    the suite's one-process tests run them; otherwise through the references, ~20x faster on a 2-core machine. The
+    kernels are tested on their own on odd shapes; under a split they meet only narrower ones, which one test covers.
+    """
+    ctx = _context(backend)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, size, store, fn, args, queue, backend)) for r in range(size)]
+        procs = [ctx.Process(target=_worker, args=(r, size, store, fn, args, queue, backend, kernels,
+                                                            dict(os.environ)))
+                 for r in range(size)]
         for p in procs:
             p.start()
         results: dict[int, object] = {}

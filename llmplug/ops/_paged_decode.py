@@ -267,7 +267,7 @@ def tile_config(head_dim: int, elem_size: int, cache_elem_size: int, programs: i
         return (128 if head_dim <= 128 else 64), 4, 3
     if head_dim <= 64 and "H200" in gpu:
         # NOTE: an H200's faster memory wants more bytes in flight a program (H200, 2026-12-02; BENCHMARKS.md,
-        # "Decode attention tiles on an H200")
+        # "Decode attention tiles on an H200"); a GH200's name matches too, unmeasured there
         if programs >= 1024:
             return 64, 4, 2
         if programs >= 256:

@@ -348,7 +348,8 @@ def launch_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
     if block_tables is None:  # a dense cache: up to a split a tile, rounded up (a split past the tiles exits)
         # NOTE: the faster split counts at 384 and 1,024 slots (H200, 2026-12-02; BENCHMARKS.md, "Dense decode splits")
         tiles = next_pow2(triton.cdiv(max_context, block_n))
-        return choose_num_splits(q.shape[0], k_cache.shape[2], tiles * block_n, block_n, sm_count(q.device), 1)
+        return choose_num_splits(q.shape[0], k_cache.shape[2], tiles * block_n, block_n, sm_count(q.device),
+                                 min_tiles=1)
     return choose_num_splits(q.shape[0], k_cache.shape[2], max_context, block_n, sm_count(q.device))
 
 

@@ -92,14 +92,15 @@ def run_ranks(size: int, fn, *args, timeout: float = 300.0, reporting: int | Non
 
     ``kernels``: the ranks' CPU tensors go through the interpreted Triton kernels (under ``TRITON_INTERPRET=1``), as
     the suite's one-process tests run them; otherwise through the references, ~20x faster on a 2-core machine. The
-    kernels are tested on their own on odd shapes; under a split they meet only narrower ones, which one test covers.
+    kernels are tested on their own on odd shapes; under a split they meet narrower ones, which the four families'
+    test and the quantized linears' cover.
     """
     ctx = _context(backend)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, size, store, fn, args, queue, backend, kernels,
-                                                            dict(os.environ)))
+        env = dict(os.environ)
+        procs = [ctx.Process(target=_worker, args=(r, size, store, fn, args, queue, backend, kernels, env))
                  for r in range(size)]
         for p in procs:
             p.start()

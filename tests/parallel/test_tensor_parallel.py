@@ -124,7 +124,7 @@ def _quantized_on_ranks(rank: int, methods) -> dict:
 
 def test_quantized_linears_split():
     methods = ("int8", "int4")
-    results = run_ranks(2, _quantized_on_ranks, methods)
+    results = run_ranks(2, _quantized_on_ranks, methods, kernels=True)  # the packed weights' kernels, split
     for method in methods:
         solo = _model("llama", hidden_size=128, intermediate_size=256)
         llmplug.optimize(solo, quantize=method, group_size=32)

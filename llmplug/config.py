@@ -27,6 +27,10 @@ class OptimizeConfig:
             the 8-layer ``models/llmplug-stdlib-small`` in fp32), not a share of a machine's RAM that other
             processes use too.
         cuda_graphs: replay CUDA graphs for decode steps (CUDA only).
+        gemm_tuning: before capturing a graph of 9-256 tokens, time cuBLASLt's candidate algorithms for the fused
+            families' bf16/fp16 GEMMs at that size and run the fastest (:mod:`llmplug.ops.tuned_gemm`; CUDA only).
+            Off by default: ~0.5 s more a graph size at warm-up for ~1% (a 1B model's decode-heavy serving on an
+            H200), and which algorithm wins can differ between processes, and with it the last bits of results.
         graph_batch_sizes: batch-size buckets captured for decode; larger batches run eagerly.
         graph_prefill_tokens: token buckets captured for single-sequence prefill chunks; others run eagerly.
         packed_graph_tokens: token buckets of the graphs (:mod:`llmplug.engine.packed_graphs`) that other packed
@@ -54,6 +58,7 @@ class OptimizeConfig:
     kv_num_blocks: int | None = None
     kv_memory_fraction: float | None = None
     cuda_graphs: bool = True
+    gemm_tuning: bool = False
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256))
     graph_prefill_tokens: tuple[int, ...] = field(default=(64, 128, 256, 512))
     packed_graph_tokens: tuple[int, ...] = field(default=(128, 256, 512, 1024, 2048, 4096, 8192))
@@ -66,7 +71,7 @@ class OptimizeConfig:
     tensor_parallel: int | str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("fuse", "cuda_graphs"):
+        for name in ("fuse", "cuda_graphs", "gemm_tuning"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.kv_block_size not in _BLOCK_SIZES:

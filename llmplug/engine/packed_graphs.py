@@ -126,7 +126,7 @@ class PackedGraphs:
 
         runner.meta = meta
         try:
-            graph, (hidden, residual) = runner.capture_graph(body)
+            graph, (hidden, residual) = runner.capture_graph(body, n)
         finally:
             runner.meta = None
         return _Graph(graph, input_ids, positions, meta, hidden, residual)

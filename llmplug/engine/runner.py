@@ -17,6 +17,7 @@ import torch
 
 from ..config import OptimizeConfig
 from ..kv.cache import PagedKVCache, kv_storage_dtype
+from ..ops import tuned_gemm
 from ..ops._triton import programmatic_launch
 from ..ops.greedy_step import advance_step, greedy_step
 from ..parallel.group import TPGroup
@@ -480,10 +481,14 @@ class ModelRunner:
         return self._capture(self._key("prefill", tokens), buf,
                              lambda: self._forward(buf["input_ids"], buf["positions"], meta, buf["logits_indices"]))
 
-    def capture_graph(self, step) -> tuple[torch.cuda.CUDAGraph, object]:
-        """Warm ``step`` up twice on a side stream (Triton and Dynamo compile, cuBLAS picks kernels, lazy buffers are
-        made), then capture it into a graph of the runner's memory pool -> ``(graph, what step returned)``."""
+    def capture_graph(self, step, tokens: int) -> tuple[torch.cuda.CUDAGraph, object]:
+        """Warm ``step`` (a forward of ``tokens`` tokens) up twice on a side stream (Triton and Dynamo compile, cuBLAS
+        picks kernels, lazy buffers are made), then capture it into a graph of the runner's memory pool ->
+        ``(graph, what step returned)``. With ``gemm_tuning`` on, the fused forward's GEMMs at ``tokens`` rows are
+        tuned first (:func:`~llmplug.ops.tuned_gemm.tune`)."""
         self.ensure_cache()
+        if self.config.gemm_tuning and hasattr(self.forward_fn, "dense_weights"):
+            tuned_gemm.tune(self.forward_fn.dense_weights(), tokens)
         dev = self.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -499,7 +504,7 @@ class ModelRunner:
     def _capture(self, key, buf: dict[str, torch.Tensor], step):
         """:meth:`capture_graph` of ``step``, keeping its outputs (the logits, and the captured layer inputs while
         :meth:`capture_aux` is on)."""
-        graph, buf["logits"] = self.capture_graph(step)
+        graph, buf["logits"] = self.capture_graph(step, buf["input_ids"].numel())
         if self.aux_layers:
             buf["aux"] = self.aux_hidden
         self._graphs[key] = (graph, buf)

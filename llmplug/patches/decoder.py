@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.attention import rope_paged_attention
-from ..ops import skinny_gemv
+from ..ops import skinny_gemv, tuned_gemm
 from ..ops.act_mul import act_and_mul
 from ..ops.gemv import add_norm_gemv, gemv, norm_in_prologue
 from ..ops.rms_norm import add_rms_norm, rms_norm, round_first_for
@@ -51,7 +51,9 @@ class Dense:
 
     One token on CUDA (batch-1 decode) goes through llmplug's GEMV, which reads the weight at a higher rate than
     cuBLAS's small-N kernels and applies a gate/up activation in its epilogue, up to ``skinny_gemv.MAX_ROWS`` tokens
-    (a verify step at batch 1) through its few-row form; everything else through ``F.linear``.
+    (a verify step at batch 1) through its few-row form; up to ``tuned_gemm.MAX_ROWS`` through the cuBLASLt algorithm
+    :func:`~llmplug.ops.tuned_gemm.tune` chose for the row count, where it chose one; everything else through
+    ``F.linear``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -64,7 +66,8 @@ class Dense:
                 return gemv(x, self.weight, self.bias, fp32_out=fp32_out)
             return skinny_gemv.skinny_gemv(x, self.weight, self.bias, fp32_out=fp32_out)
         if not fp32_out or x.dtype == torch.float32:
-            return F.linear(x, self.weight, self.bias)
+            out = tuned_gemm.matmul(x, self.weight) if self.bias is None else None
+            return F.linear(x, self.weight, self.bias) if out is None else out
         if x.is_cuda:
             out = torch.mm(x, self.weight.t(), out_dtype=torch.float32)  # cuBLAS, fp32 accumulators kept
             return out if self.bias is None else out + self.bias.float()
@@ -77,7 +80,7 @@ class Dense:
             if x.shape[0] == 1:
                 return gemv(x, self.weight, self.bias, gated=activation)
             return skinny_gemv.skinny_gemv(x, self.weight, self.bias, gated=activation)
-        return act_and_mul(F.linear(x, self.weight, self.bias), activation)
+        return act_and_mul(self.matmul(x), activation)
 
 
 Linear = Dense | QuantLinear  # both offer matmul(x) and gated_matmul(x, activation)
@@ -174,6 +177,15 @@ class FusedDecoder:
         self.head_dim = self.base.layers[0].self_attn.head_dim
         self._rope_keys = {layer.rope_key for layer in self.layers}
         self._rope_tables: dict[str | None, torch.Tensor] | None = None  # built on first use; {}: not tabulated
+
+    def dense_weights(self) -> dict[tuple[int, int], list[torch.Tensor]]:
+        """The bias-free plain weights its GEMMs read, by shape: ``(N, K) -> [W (N, K), ...]`` (the lm_head's too),
+        for :func:`~llmplug.ops.tuned_gemm.tune`."""
+        groups: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for lin in [x for lay in self.layers for x in (lay.qkv, lay.o, lay.gate_up, lay.down)] + [self.lm_head]:
+            if isinstance(lin, Dense) and lin.bias is None:
+                groups.setdefault(tuple(lin.weight.shape), []).append(lin.weight)
+        return groups
 
     def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         return rms_norm(x, norm.weight, _eps(norm), self.spec.norm_offset)

@@ -443,6 +443,8 @@ def add_arguments(p: argparse.ArgumentParser, default_out: str | None = None) ->
     p.add_argument("--kv-blocks", type=int, help="KV pool pages; default: sized from memory on CUDA, 2048 on CPU")
     p.add_argument("--kv-memory-fraction", type=float, default=OptimizeConfig.kv_memory_fraction)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--gemm-tuning", action="store_true",
+                   help="OptimizeConfig(gemm_tuning=True): time cuBLASLt's algorithms for the graphs' GEMMs at warm-up")
     p.add_argument("--out", default=default_out, help="results JSON file, or a directory for a dated file name; the "
                                                       "markdown table and the online plot go next to it")
     p.add_argument("--commit", help="commit to record where git has no history (the device machine's copy)")
@@ -497,7 +499,7 @@ def main(args: argparse.Namespace) -> int:
                                  slo_tpot_s=args.slo_tpot, greedy_ring=args.greedy_ring)
     blocks = args.kv_blocks if args.kv_blocks is not None else (None if cuda else 2048)
     optimize_config = OptimizeConfig(kv_num_blocks=blocks, kv_memory_fraction=args.kv_memory_fraction,
-                                     max_model_len=args.max_model_len,
+                                     max_model_len=args.max_model_len, gemm_tuning=args.gemm_tuning,
                                      tensor_parallel="auto" if args.tp > 1 else None)
     paths = None
 

@@ -20,6 +20,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from ..bench.timing import graph_time
 from . import _cublaslt
 from .skinny_gemv import MAX_ROWS as SKINNY_ROWS
 
@@ -94,24 +95,9 @@ def tune(groups: dict[tuple[int, int], list[torch.Tensor]], rows: int) -> None:
                 _choices[key] = _choose(rows, timed, _workspaces[w.device.index])
 
 
-def _graph_us(fn, weights: list[torch.Tensor], reps: int = 2, replays: int = 3) -> float:
-    """us a call of ``fn(w)`` over ``weights`` in a CUDA graph, the median of ``replays`` replays."""
-    for w in weights:
-        fn(w)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for w in weights:
-                fn(w)
-    times = []
-    for _ in range(replays + 1):  # the first replay warms up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (reps * len(weights)))
-    return sorted(times[1:])[replays // 2]
+def _us(fn, weights: list[torch.Tensor]) -> float:
+    """us a call of ``fn(w)`` over ``weights``, in a CUDA graph of two passes (:func:`graph_time`)."""
+    return graph_time(fn, weights, reps=2, replays=3) * 1e6
 
 
 def _choose(m: int, weights: list[torch.Tensor], workspace: torch.Tensor) -> Choice | None:
@@ -136,10 +122,10 @@ def _choose(m: int, weights: list[torch.Tensor], workspace: torch.Tensor) -> Cho
                 continue
             if not torch.allclose(first.float(), want, rtol=2e-2, atol=2e-2):
                 continue
-            us = _graph_us(lambda w, a=algo: plan(x, w, out, a, workspace), weights)
+            us = _us(lambda w, a=algo: plan(x, w, out, a, workspace), weights)
         except RuntimeError:  # an algorithm this problem's pointers or sizes do not suit after all
             continue
         if us < best_us:
             best, best_us = algo, us
-    linear_us = _graph_us(lambda w: F.linear(x, w), weights)
+    linear_us = _us(lambda w: F.linear(x, w), weights)
     return Choice(plan, best, best_us, linear_us) if best is not None and best_us <= MARGIN * linear_us else None

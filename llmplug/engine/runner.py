@@ -17,7 +17,6 @@ import torch
 
 from ..config import OptimizeConfig
 from ..kv.cache import PagedKVCache, kv_storage_dtype
-from ..ops import tuned_gemm
 from ..ops._triton import programmatic_launch
 from ..ops.greedy_step import advance_step, greedy_step
 from ..parallel.group import TPGroup
@@ -485,10 +484,10 @@ class ModelRunner:
         """Warm ``step`` (a forward of ``tokens`` tokens) up twice on a side stream (Triton and Dynamo compile, cuBLAS
         picks kernels, lazy buffers are made), then capture it into a graph of the runner's memory pool ->
         ``(graph, what step returned)``. With ``gemm_tuning`` on, the fused forward's GEMMs at ``tokens`` rows are
-        tuned first (:func:`~llmplug.ops.tuned_gemm.tune`)."""
+        tuned first (:meth:`~llmplug.patches.decoder.FusedDecoder.tune_gemms`)."""
         self.ensure_cache()
-        if self.config.gemm_tuning and hasattr(self.forward_fn, "dense_weights"):
-            tuned_gemm.tune(self.forward_fn.dense_weights(), tokens)
+        if self.config.gemm_tuning and hasattr(self.forward_fn, "tune_gemms"):
+            self.forward_fn.tune_gemms(tokens)
         dev = self.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))

@@ -2,9 +2,9 @@
 
 At 9-256 rows ``F.linear`` runs the first algorithm cuBLAS's heuristic names, which is often not the fastest of the
 candidates cuBLASLt offers (a 1B model's down projection at 128 rows: 16.3 us against 14.3 for a split-K variant on
-an H200; BENCHMARKS.md, "cuBLASLt's other algorithms"). Before a runner captures the graphs of a row count it calls
-:func:`tune` with its weights grouped by shape; :func:`matmul` then runs the recorded choice for that (rows, shape),
-or returns None (the caller runs ``F.linear``) where none beat torch's own by :data:`MARGIN`.
+an H200; BENCHMARKS.md, "cuBLASLt's other algorithms"). Before a runner captures the graphs of a row count its
+forward asks :func:`tune` for its weights grouped by shape, keeps each choice on the linear it is for (a choice is made
+only where it beats torch's own by :data:`MARGIN`) and runs it through :func:`matmul`.
 
 Candidates are cuBLASLt's heuristic list and split-K variants of its first few, each checked against ``F.linear``
 and against itself on a second run (bit for bit; split-K sums in a fixed order) before it is timed in a CUDA graph
@@ -44,45 +44,43 @@ class Choice:
     linear_us: float
 
 
-_choices: dict[tuple, Choice | None] = {}
+_measured: dict[tuple, Choice | None] = {}  # what timing found, by (device index, dtype, rows, N, K): any model's
 _workspaces: dict[int, torch.Tensor] = {}
 
 
-def _key(device: torch.device, dtype: torch.dtype, m: int, n: int, k: int) -> tuple:
-    return device.index, dtype, m, n, k
-
-
 def choices() -> dict[tuple, Choice | None]:
-    """What :func:`tune` recorded: ``(device index, dtype, rows, N, K) -> Choice`` (None: ``F.linear`` stays)."""
-    return dict(_choices)
+    """Every choice :func:`tune` has timed in this process: ``(device index, dtype, rows, N, K) -> Choice`` (None:
+    ``F.linear`` stays)."""
+    return dict(_measured)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``x (M, K) @ weight (N, K)^T`` through the algorithm :func:`tune` chose for this shape, or None where it
-    chose none (or never ran for it): the caller then runs ``F.linear``."""
-    if not x.is_cuda or not _choices or torch.compiler.is_compiling():
-        return None
+def matmul(choice: Choice, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x (M, K) @ weight (N, K)^T`` through ``choice`` (of :func:`tune` for this ``M, N, K``), or None where ``x`` is
+    not a row-major ``(M, K)`` of the weight's dtype, or under ``torch.compile``: the caller then runs ``F.linear``."""
     m, k = x.shape
     n = weight.shape[0]
-    choice = _choices.get(_key(x.device, x.dtype, m, n, k))
-    if choice is None or x.stride() != (k, 1) or not weight.is_contiguous() or weight.dtype != x.dtype:
+    if (choice.plan.shape != (m, n, k) or x.stride() != (k, 1) or not weight.is_contiguous()
+            or x.dtype != choice.plan.dtype or weight.dtype != x.dtype or torch.compiler.is_compiling()):
         return None
     out = x.new_empty((m, n))
     return choice.plan(x, weight, out, choice.algo, _workspaces[x.device.index])
 
 
-def tune(groups: dict[tuple[int, int], list[torch.Tensor]], rows: int) -> None:
-    """Choose, for ``rows`` rows, an algorithm for every group of weights ``(N, K) -> [W (N, K), ...]`` (one dtype
-    and device, contiguous) not chosen for yet. A no-op outside ``MIN_ROWS..MAX_ROWS``, off CUDA, for other dtypes
-    and where cuBLASLt is not found. Call it outside CUDA-graph capture (it times candidates in graphs of its own)."""
+def tune(groups: dict[tuple[int, int], list[torch.Tensor]], rows: int) -> dict[tuple[int, int], Choice]:
+    """For ``rows`` rows, the algorithm to run for each group of weights ``(N, K) -> [W (N, K), ...]`` (one dtype and
+    device, contiguous) where one beats ``F.linear``: ``(N, K) -> Choice``, timed on first asking (a process's later
+    calls for the same rows and shape reuse the result). Empty outside ``MIN_ROWS..MAX_ROWS``, off CUDA, for other
+    dtypes and where cuBLASLt is not found. Call it outside CUDA-graph capture (it times candidates in graphs of its
+    own)."""
+    out: dict[tuple[int, int], Choice] = {}
     if not MIN_ROWS <= rows <= MAX_ROWS:
-        return
+        return out
     for (n, k), weights in groups.items():
         w = weights[0]
         if not w.is_cuda or w.dtype not in _DTYPES or not _cublaslt.available():
             continue
-        key = _key(w.device, w.dtype, rows, n, k)
-        if key not in _choices:
+        key = (w.device.index, w.dtype, rows, n, k)
+        if key not in _measured:
             if w.device.index not in _workspaces:
                 _workspaces[w.device.index] = torch.empty(_WORKSPACE, dtype=torch.uint8, device=w.device)
             timed, size = [], 0
@@ -92,7 +90,10 @@ def tune(groups: dict[tuple[int, int], list[torch.Tensor]], rows: int) -> None:
                 timed.append(t)
                 size += t.numel() * t.element_size()
             with torch.cuda.device(w.device):
-                _choices[key] = _choose(rows, timed, _workspaces[w.device.index])
+                _measured[key] = _choose(rows, timed, _workspaces[w.device.index])
+        if _measured[key] is not None:
+            out[(n, k)] = _measured[key]
+    return out
 
 
 def _us(fn, weights: list[torch.Tensor]) -> float:

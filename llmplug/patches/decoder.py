@@ -51,13 +51,13 @@ class Dense:
 
     One token on CUDA (batch-1 decode) goes through llmplug's GEMV, which reads the weight at a higher rate than
     cuBLAS's small-N kernels and applies a gate/up activation in its epilogue, up to ``skinny_gemv.MAX_ROWS`` tokens
-    (a verify step at batch 1) through its few-row form; up to ``tuned_gemm.MAX_ROWS`` through the cuBLASLt algorithm
-    :func:`~llmplug.ops.tuned_gemm.tune` chose for the row count, where it chose one; everything else through
-    ``F.linear``.
+    (a verify step at batch 1) through its few-row form; at a row count it holds a cuBLASLt choice for
+    (``tuned``, set by :meth:`FusedDecoder.tune_gemms`) through that; everything else through ``F.linear``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
+        self.tuned: dict[int, tuned_gemm.Choice] = {}  # rows -> the algorithm timed fastest there
 
     def matmul(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
         """``x: (M, K)`` -> ``(M, N)``; with ``fp32_out`` in fp32, unrounded (a row-parallel rank's share)."""
@@ -66,7 +66,8 @@ class Dense:
                 return gemv(x, self.weight, self.bias, fp32_out=fp32_out)
             return skinny_gemv.skinny_gemv(x, self.weight, self.bias, fp32_out=fp32_out)
         if not fp32_out or x.dtype == torch.float32:
-            out = tuned_gemm.matmul(x, self.weight) if self.bias is None else None
+            choice = self.tuned.get(x.shape[0]) if self.tuned else None
+            out = None if choice is None else tuned_gemm.matmul(choice, x, self.weight)
             return F.linear(x, self.weight, self.bias) if out is None else out
         if x.is_cuda:
             out = torch.mm(x, self.weight.t(), out_dtype=torch.float32)  # cuBLAS, fp32 accumulators kept
@@ -178,14 +179,22 @@ class FusedDecoder:
         self._rope_keys = {layer.rope_key for layer in self.layers}
         self._rope_tables: dict[str | None, torch.Tensor] | None = None  # built on first use; {}: not tabulated
 
-    def dense_weights(self) -> dict[tuple[int, int], list[torch.Tensor]]:
-        """The bias-free plain weights its GEMMs read, by shape: ``(N, K) -> [W (N, K), ...]`` (the lm_head's too),
-        for :func:`~llmplug.ops.tuned_gemm.tune`."""
-        groups: dict[tuple[int, int], list[torch.Tensor]] = {}
+    def plain_linears(self) -> dict[tuple[int, int], list[Dense]]:
+        """Its bias-free plain linears (the lm_head's too) by weight shape ``(N, K)``."""
+        groups: dict[tuple[int, int], list[Dense]] = {}
         for lin in [x for lay in self.layers for x in (lay.qkv, lay.o, lay.gate_up, lay.down)] + [self.lm_head]:
             if isinstance(lin, Dense) and lin.bias is None:
-                groups.setdefault(tuple(lin.weight.shape), []).append(lin.weight)
+                groups.setdefault(tuple(lin.weight.shape), []).append(lin)
         return groups
+
+    def tune_gemms(self, rows: int) -> None:
+        """Give each plain linear the cuBLASLt algorithm :func:`~llmplug.ops.tuned_gemm.tune` finds fastest for
+        ``rows`` rows of its shape, where one beats ``F.linear``."""
+        groups = self.plain_linears()
+        found = tuned_gemm.tune({shape: [lin.weight for lin in lins] for shape, lins in groups.items()}, rows)
+        for shape, choice in found.items():
+            for lin in groups[shape]:
+                lin.tuned[rows] = choice
 
     def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         return rms_norm(x, norm.weight, _eps(norm), self.spec.norm_offset)

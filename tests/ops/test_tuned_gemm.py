@@ -10,14 +10,13 @@ from tests.tiny_models import make_model
 
 @pytest.fixture(autouse=True)
 def fresh_choices(monkeypatch):
-    monkeypatch.setattr(tuned_gemm, "_choices", {})
+    monkeypatch.setattr(tuned_gemm, "_measured", {})
 
 
 def test_cpu_weights_are_never_tuned():
     w = torch.randn(48, 32)
-    tuned_gemm.tune({(48, 32): [w, torch.randn(48, 32)]}, 16)
+    assert tuned_gemm.tune({(48, 32): [w, torch.randn(48, 32)]}, 16) == {}
     assert tuned_gemm.choices() == {}
-    assert tuned_gemm.matmul(torch.randn(16, 32), w) is None
     assert not _cublaslt.available()
 
 
@@ -27,10 +26,11 @@ def test_gemm_tuning_must_be_a_bool():
     assert llmplug.OptimizeConfig().gemm_tuning is False
 
 
-def test_dense_weights_groups_the_fused_decoders_plain_weights():
+def test_plain_linears_by_shape():
     model = make_model("llama")
     llmplug.optimize(model)
-    groups = state_of(model).runner.forward_fn.dense_weights()
+    decoder = state_of(model).runner.forward_fn
+    groups = {shape: [lin.weight for lin in lins] for shape, lins in decoder.plain_linears().items()}
     text = model.config
     layers, hidden, inter = text.num_hidden_layers, text.hidden_size, text.intermediate_size
     head_dim = hidden // text.num_attention_heads
@@ -43,6 +43,8 @@ def test_dense_weights_groups_the_fused_decoders_plain_weights():
     assert {shape: len(ws) for shape, ws in groups.items()} == counts
     assert all(w.shape == shape for shape, ws in groups.items() for w in ws)
     assert groups[(text.vocab_size, hidden)][-1] is model.lm_head.weight
+    decoder.tune_gemms(16)  # CPU: nothing chosen, nothing kept
+    assert all(not lin.tuned for lins in decoder.plain_linears().values() for lin in lins)
 
 
 @pytest.mark.gpu
@@ -67,33 +69,41 @@ def test_tune_then_matmul_cuda():
     m, n, k = 64, 2048, 4096
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5 for _ in range(8)]
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    tuned_gemm.tune({(n, k): weights}, m)
-    tuned_gemm.tune({(n, k): weights}, 300)  # past MAX_ROWS: nothing recorded
+    found = tuned_gemm.tune({(n, k): weights}, m)
+    assert tuned_gemm.tune({(n, k): weights}, 300) == {}  # past MAX_ROWS: nothing timed
     key = (x.device.index, torch.bfloat16, m, n, k)
     assert list(tuned_gemm.choices()) == [key]
     choice = tuned_gemm.choices()[key]
-    got = tuned_gemm.matmul(x, weights[3])
+    assert found == ({} if choice is None else {(n, k): choice})
     if choice is None:
-        assert got is None
         return
     assert choice.us <= tuned_gemm.MARGIN * choice.linear_us
+    got = tuned_gemm.matmul(choice, x, weights[3])
     torch.testing.assert_close(got.float(), F.linear(x.float(), weights[3].float()), rtol=2e-2, atol=2e-2)
-    assert torch.equal(got, tuned_gemm.matmul(x, weights[3]))
-    assert tuned_gemm.matmul(x[:, :k // 2], weights[3][:, :k // 2]) is None  # a shape never tuned
+    assert torch.equal(got, tuned_gemm.matmul(choice, x, weights[3]))
+    assert tuned_gemm.matmul(choice, x[:32], weights[3]) is None  # another row count than the choice's
+    assert tuned_gemm.matmul(choice, x.t().contiguous().t(), weights[3]) is None  # not row-major
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = tuned_gemm.matmul(x, weights[3])
+        captured = tuned_gemm.matmul(choice, x, weights[3])
     graph.replay()
     assert torch.equal(captured, got)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuning", [True, False])
-def test_engine_tunes_its_graph_sizes_cuda(tuning):
+def test_runner_tunes_its_graph_sizes_cuda(tuning):
     model = make_model("llama", dtype=torch.bfloat16).cuda()
     llmplug.optimize(model, gemm_tuning=tuning, graph_batch_sizes=(1, 16), packed_graph_tokens=())
     prompts = [[5, 6, 7, 8]] * 12
-    want = model.generate(torch.tensor(prompts, device="cuda"), max_new_tokens=4, do_sample=False)
-    rows = {key[2] for key in tuned_gemm.choices()}
-    assert rows == ({16} if tuning else set())
-    assert want.shape == (12, 8)
+    out = model.generate(torch.tensor(prompts, device="cuda"), max_new_tokens=4, do_sample=False)
+    assert out.shape == (12, 8)
+    assert {key[2] for key in tuned_gemm.choices()} == ({16} if tuning else set())
+    lins = [lin for lins in state_of(model).runner.forward_fn.plain_linears().values() for lin in lins]
+    assert all(set(lin.tuned) <= {16} for lin in lins)
+    if not tuning:
+        assert all(not lin.tuned for lin in lins)
+    other = make_model("llama", dtype=torch.bfloat16).cuda()  # the same shapes, tuning off: the timings stay unused
+    llmplug.optimize(other, graph_batch_sizes=(1, 16), packed_graph_tokens=())
+    other.generate(torch.tensor(prompts, device="cuda"), max_new_tokens=4, do_sample=False)
+    assert all(not lin.tuned for lins in state_of(other).runner.forward_fn.plain_linears().values() for lin in lins)

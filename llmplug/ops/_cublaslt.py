@@ -25,6 +25,7 @@ _DTYPES = {torch.bfloat16: 14, torch.float16: 2}  # CUDA_R_16BF, CUDA_R_16F
 _DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 _PREF_MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
 _CFG = {"tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6, "cluster": 8}
+_SIZE4, _SIZE8 = ctypes.c_size_t(4), ctypes.c_size_t(8)  # attribute sizes: size_t parameters, passed as such
 REDUCTIONS = (1, 2, 4)  # split-K reductions: INPLACE (ordered, through counters), COMPUTE_TYPE, OUTPUT_TYPE
 
 
@@ -103,7 +104,7 @@ class LtMatmul:
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _R_32F), "desc")
         for attr, op in ((_DESC_TRANSA, 1), (_DESC_TRANSB, 0)):
             v = ctypes.c_int32(op)
-            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(v), 4), "desc attribute")
+            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(v), _SIZE4), "desc attribute")
         dt = _DTYPES[dtype]
         for layout, (rows, cols, ld) in ((self.a, (k, n, k)), (self.b, (k, m, k)), (self.c, (n, m, n))):
             _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dt, ctypes.c_uint64(rows),
@@ -124,7 +125,8 @@ class LtMatmul:
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         try:
             ws = ctypes.c_uint64(max_workspace)
-            _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws), 8), "pref")
+            _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws), _SIZE8),
+                   "pref")
             results, got = (_Heuristic * count)(), ctypes.c_int(0)
             _check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, self.a, self.b, self.c, self.c, pref,
                                                       count, results, ctypes.byref(got)), "heuristic")
@@ -142,7 +144,7 @@ class LtMatmul:
                 for name, value in (("splitk", s), ("reduction", scheme)):
                     v = ctypes.c_uint32(value)
                     if self.lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(st), _CFG[name], ctypes.byref(v),
-                                                                     4) != 0:
+                                                                     _SIZE4) != 0:
                         break
                 else:
                     res = _Heuristic()
@@ -156,7 +158,7 @@ class LtMatmul:
         config = []
         for name, attr in _CFG.items():
             v, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
-            if self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(st), attr, ctypes.byref(v), 4,
+            if self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(st), attr, ctypes.byref(v), _SIZE4,
                                                              ctypes.byref(written)) == 0:
                 config.append((name, v.value))
         return Algo(tuple(st.data), int(workspace), tuple(config))

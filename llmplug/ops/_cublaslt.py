@@ -165,12 +165,13 @@ class LtMatmul:
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, algo: Algo,
                  workspace: torch.Tensor) -> torch.Tensor:
-        """``out = x @ w.T`` with ``algo`` on the current stream (capturable); ``workspace``: a CUDA byte buffer of
-        at least ``algo.workspace`` bytes."""
+        """``out = x @ w.T`` with ``algo`` on ``x``'s device's current stream (capturable); ``workspace``: a CUDA byte
+        buffer of at least ``algo.workspace`` bytes."""
         st = algo.struct()
         _check(self.lib.cublasLtMatmul(
             self.handle, self.desc, ctypes.byref(self._alpha), ctypes.c_void_p(w.data_ptr()), self.a,
             ctypes.c_void_p(x.data_ptr()), self.b, ctypes.byref(self._beta), ctypes.c_void_p(out.data_ptr()), self.c,
             ctypes.c_void_p(out.data_ptr()), self.c, ctypes.byref(st), ctypes.c_void_p(workspace.data_ptr()),
-            ctypes.c_size_t(algo.workspace), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)), "matmul")
+            ctypes.c_size_t(algo.workspace), ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)),
+            "matmul")
         return out

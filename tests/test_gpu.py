@@ -56,10 +56,12 @@ def test_decode_attention_serving_batches_cuda(b):
 @pytest.mark.parametrize("d,h,hkv,window,softcap,rotary", [(128, 32, 8, -1, 0.0, 128), (64, 16, 16, 100, 0.0, 64),
                                                             (256, 8, 4, 300, 50.0, 128), (80, 12, 4, -1, 0.0, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_rope_decode_attention_cuda(d, h, hkv, window, softcap, rotary, dtype, kv_dtype):
+@pytest.mark.parametrize("splits", [0, 1], ids=["auto-splits", "one-split"])
+def test_rope_decode_attention_cuda(d, h, hkv, window, softcap, rotary, dtype, kv_dtype, splits):
     """The fused decode step (RoPE, store, attention; the last split combining where counters are given) against
     RoPE + store then attention, at real sizes: the output within the attention tolerance, the stored rows bit for bit
-    (unquantized: RoPE rounded as HF rounds)."""
+    (unquantized: RoPE rounded as HF rounds). One split: the whole context in one program (registers capped for
+    16-bit D = 64, ``decode_attention.FUSED_ONE_SPLIT_REGS``)."""
     b, p = 5, 16
     lens = torch.tensor([1, 77, 1000, 513, 2049], dtype=torch.int32, device="cuda")
     kc, vc, bt = _paged(b, 2049, hkv, d, p, dtype)
@@ -78,7 +80,8 @@ def test_rope_decode_attention_cuda(d, h, hkv, window, softcap, rotary, dtype, k
     ref_scales = dict(k_scale=ref_caches[2], v_scale=ref_caches[3]) if kv_dtype is not None else {}
     args = (bt, lens, d**-0.5, window, softcap)
     counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda") if dtype != torch.float16 else None
-    out = rope_decode_attention(q, k, v, cos, sin, *caches[:2], slots, *args, **scales, split_counters=counters)
+    out = rope_decode_attention(q, k, v, cos, sin, *caches[:2], slots, *args, **scales, split_counters=counters,
+                                _num_splits=splits)
     assert counters is None or not counters.any()
     same = rope_decode_attention_ref(q, k, v, cos, sin, *ref_caches[:2], slots, *args, **ref_scales)
     q_rot = apply_rope_ref(q, k, cos, sin)[0]

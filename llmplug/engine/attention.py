@@ -79,8 +79,7 @@ def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     faster only where the context splits (H100, 2026-11-22; BENCHMARKS.md, "Latest: RoPE, the KV store, decode
     attention").
     """
-    if meta.is_decode and (fused_at_one_split(q, k_cache)
-                           or launch_splits(q, k_cache, meta.block_tables, sliding_window) > 1):
+    if meta.is_decode and (fused_at_one_split(q) or launch_splits(q, k_cache, meta.block_tables, sliding_window) > 1):
         if split_counters is not None and split_counters.numel() < k.shape[0] * k.shape[1]:
             split_counters = None
         return rope_decode_attention(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,

@@ -357,28 +357,22 @@ def launch_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
     return choose_num_splits(q.shape[0], k_cache.shape[2], max_context, block_n, sm_count(q.device))
 
 
-# The fused RoPE + store + attention at one split: registers that keep the plain kernel's programs an SM, by
-# (BLOCK_D, query and cache element bytes); the configurations measured (bf16/fp16 pages at D <= 64)
-FUSED_ONE_SPLIT_REGS = {(64, 2, 2): 64}
+# The fused RoPE + store + attention at one split: registers the plain kernel's occupancy allows, by BLOCK_D
+FUSED_ONE_SPLIT_REGS = {64: 64}
 
 
-def _cap_key(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]:
-    return max(16, next_pow2(q.shape[-1])), q.element_size(), k_cache.element_size()
+def fused_at_one_split(q: torch.Tensor) -> bool:
+    """Whether the fused RoPE + store + attention is the faster way over ``q: (B, H, D)`` where the context does not
+    split: where :data:`FUSED_ONE_SPLIT_REGS` caps its registers at the plain kernel's occupancy."""
+    return max(16, next_pow2(q.shape[-1])) in FUSED_ONE_SPLIT_REGS
 
 
-def fused_at_one_split(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the fused RoPE + store + attention is the faster way over ``q: (B, H, D)`` and these pages where the
-    context does not split: where :data:`FUSED_ONE_SPLIT_REGS` caps its registers at the plain kernel's occupancy."""
-    return _cap_key(q, k_cache) in FUSED_ONE_SPLIT_REGS
-
-
-def register_cap(fused_one_split: bool, q: torch.Tensor, k_cache: torch.Tensor) -> dict:
+def register_cap(fused_one_split: bool, block_d: int) -> dict:
     """Launch keywords capping the kernel's registers: ``maxnreg`` for the fused RoPE + store + attention at one split
-    (paged) where :data:`FUSED_ONE_SPLIT_REGS` has the launch's configuration, so that it keeps as many programs on an
-    SM as the plain kernel; nothing otherwise and under the interpreter. NOTE: uncapped it took 80 registers against
-    the plain kernel's 62 (bf16, D = 64, Triton 3.6) and ran 19% slower (H200, 2026-12-02; BENCHMARKS.md, "Fourth
-    session of 2026-12-02")."""
-    cap = FUSED_ONE_SPLIT_REGS.get(_cap_key(q, k_cache)) if fused_one_split and not INTERPRET else None
+    (paged) where :data:`FUSED_ONE_SPLIT_REGS` has ``block_d``, so that it keeps as many programs on an SM as the plain
+    kernel; nothing otherwise and under the interpreter. NOTE: uncapped it took 80 registers against the plain
+    kernel's 62 (D = 64, Triton 3.6) and ran 19% slower (H200, 2026-12-02; BENCHMARKS.md, "Fourth session")."""
+    cap = FUSED_ONE_SPLIT_REGS.get(block_d) if fused_one_split and not INTERPRET else None
     return {} if cap is None else {"maxnreg": cap}
 
 
@@ -467,7 +461,7 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Interpreter workarounds: its tl.dot mishandles bf16 and it truncates fp32 -> bf16 casts (see ``round_rne``).
         INTERPRETED=INTERPRET, DENSE=dense, KEY_MASK=masked, num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(q), **register_cap(new_token is not None and splits == 1 and not dense, q, k_cache),
+        **pdl_options(q), **register_cap(new_token is not None and splits == 1 and not dense, block_d),
     )
     if splits > 1 and not last_combines:
         maybe_wrap(_decode_attn_combine_kernel)[(bsz, num_heads)](

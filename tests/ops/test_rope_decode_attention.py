@@ -133,22 +133,3 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.llmplug.rope_decode_attention.default, args)
     counters = torch.zeros(8, dtype=torch.int32)
     torch.library.opcheck(torch.ops.llmplug.rope_decode_attention.default, args + (None, None, counters))
-
-
-def test_one_split_register_cap(monkeypatch):
-    """The fused kernel runs at one split (capped at the plain kernel's occupancy) only where that was measured:
-    16-bit queries and pages at D <= 64; the cap is a compile option, so not under the interpreter."""
-    from llmplug.ops import decode_attention as dmod
-
-    def pair(d, dtype=torch.bfloat16, cache_dtype=None):
-        return torch.zeros(2, 8, d, dtype=dtype), torch.zeros(4, 16, 2, d, dtype=cache_dtype or dtype)
-
-    assert dmod.fused_at_one_split(*pair(64)) and dmod.fused_at_one_split(*pair(48, torch.float16))
-    assert not dmod.fused_at_one_split(*pair(64, torch.float32))
-    assert not dmod.fused_at_one_split(*pair(128))
-    assert not dmod.fused_at_one_split(*pair(64, cache_dtype=torch.float8_e4m3fn))
-    monkeypatch.setattr(dmod, "INTERPRET", False)
-    assert dmod.register_cap(True, *pair(64)) == {"maxnreg": 64}
-    assert dmod.register_cap(False, *pair(64)) == {} == dmod.register_cap(True, *pair(128))
-    monkeypatch.setattr(dmod, "INTERPRET", True)
-    assert dmod.register_cap(True, *pair(64)) == {}

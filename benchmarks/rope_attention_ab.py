@@ -1,7 +1,6 @@
-"""The decode step's attention block at one split, timed alike (GPU only): RoPE + store (``rope_store_kv``) then
-``decode_attention``, against the fused ``rope_decode_attention`` with its registers capped
-(``decode_attention.FUSED_ONE_SPLIT_REGS``) and uncapped; each after the q/k/v GEMM that feeds it, over ``--layers``
-caches (pages scattered over a pool), in one CUDA graph under programmatic launch.
+"""The decode step's attention block at one split, two ways, timed alike (GPU only): RoPE + store
+(``rope_store_kv``) then ``decode_attention``, against the fused ``rope_decode_attention``; each after the q/k/v GEMM
+that feeds it, over ``--layers`` caches (pages scattered over a pool), in one CUDA graph under programmatic launch.
 
     python benchmarks/rope_attention_ab.py --rows 128 --contexts 256 1024 2048 --out ab.json
 """
@@ -15,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from llmplug.bench.timing import graph_time
-from llmplug.ops import decode_attention as da
 from llmplug.ops._triton import programmatic_launch
+from llmplug.ops.decode_attention import decode_attention
 from llmplug.ops.rope_decode_attention import rope_decode_attention
 from llmplug.ops.rope_store_kv import rope_store_kv
 
@@ -58,7 +57,7 @@ def time_context(context: int, args, x, w, cos, sin) -> dict:
         kc, vc, bt, sm = c
         q, k, v = qkv_views()
         rope_store_kv(q, k, v, cos, sin, kc, vc, sm)
-        return da.decode_attention(q, kc, vc, bt, seq_lens, scale, _num_splits=1)
+        return decode_attention(q, kc, vc, bt, seq_lens, scale, _num_splits=1)
 
     def fused(c):
         kc, vc, bt, sm = c
@@ -70,21 +69,11 @@ def time_context(context: int, args, x, w, cos, sin) -> dict:
         del c
         return qkv_views()
 
-    caps = dict(da.FUSED_ONE_SPLIT_REGS)
-
-    def uncapped(c):
-        da.FUSED_ONE_SPLIT_REGS.clear()
-        try:
-            return fused(c)
-        finally:
-            da.FUSED_ONE_SPLIT_REGS.update(caps)
-
     with programmatic_launch():
-        a, f, u = plain(caches[0]), fused(caches[0]), uncapped(caches[0])
-        err = max((a.float() - f.float()).abs().max().item(), (a.float() - u.float()).abs().max().item())
+        a, f = plain(caches[0]), fused(caches[0])
+        err = (a.float() - f.float()).abs().max().item()
         t = {name: graph_time(fn, caches) * 1e6 for name, fn in
-             (("gemm", gemm), ("plain", plain), ("fused", fused), ("uncapped", uncapped), ("plain2", plain),
-              ("fused2", fused))}
+             (("gemm", gemm), ("plain", plain), ("fused", fused), ("plain2", plain), ("fused2", fused))}
     kv_bytes = 2 * b * context * hkv * d * 2
     row = {"context": context, "rows": b, "us": t, "max_diff": err, "kv_bytes": kv_bytes}
     return row
@@ -113,13 +102,12 @@ def main() -> None:
         row = time_context(context, args, x, w, cos, sin)
         rows.append(row)
         print(row, flush=True)
-    print("\n| context | q/k/v GEMM us | + RoPE/store + attention | + fused, capped | + fused, uncapped "
-          "| capped again | plain again |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| context | q/k/v GEMM us | + RoPE/store + attention | + fused | fused again | plain again |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         t = r["us"]
-        print(f"| {r['context']} | {t['gemm']:.1f} | {t['plain']:.1f} | {t['fused']:.1f} | {t['uncapped']:.1f} "
-              f"| {t['fused2']:.1f} | {t['plain2']:.1f} |")
+        print(f"| {r['context']} | {t['gemm']:.1f} | {t['plain']:.1f} | {t['fused']:.1f} | {t['fused2']:.1f} "
+              f"| {t['plain2']:.1f} |")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from ..ops.decode_attention import decode_attention, fused_at_one_split, launch_splits
+from ..ops.decode_attention import decode_attention, launch_splits
 from ..ops.kv_store import store_kv
 from ..ops.prefill_attention import prefill_attention
 from ..ops.rope_decode_attention import rope_decode_attention
@@ -72,14 +72,12 @@ def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     """:func:`paged_attention` of ``q, k`` before RoPE (``cos, sin: (T, R)``, HF ``rotate_half``); ``q, k`` may be
     rotated in place. ``split_counters``: the cache's (``PagedKVCache.split_counters``).
 
-    Decode steps run RoPE, the store, attention and the split combine as one kernel
-    (:func:`~llmplug.ops.rope_decode_attention.rope_decode_attention`) where the context splits or its registers are
-    capped at the plain kernel's occupancy (:func:`~llmplug.ops.decode_attention.fused_at_one_split`); other steps
-    rotate and store (:func:`~llmplug.ops.rope_store_kv.rope_store_kv`), then attend. NOTE: uncapped, one kernel was
-    faster only where the context splits (H100, 2026-11-22; BENCHMARKS.md, "Latest: RoPE, the KV store, decode
-    attention").
+    Decode steps whose context the kernel splits run RoPE, the store, attention and the split combine as one kernel
+    (:func:`~llmplug.ops.rope_decode_attention.rope_decode_attention`); other steps rotate and store
+    (:func:`~llmplug.ops.rope_store_kv.rope_store_kv`), then attend. NOTE: one kernel is faster where the context
+    splits, two where it does not (H100, 2026-11-22; BENCHMARKS.md, "Latest: RoPE, the KV store, decode attention").
     """
-    if meta.is_decode and (fused_at_one_split(q) or launch_splits(q, k_cache, meta.block_tables, sliding_window) > 1):
+    if meta.is_decode and launch_splits(q, k_cache, meta.block_tables, sliding_window) > 1:
         if split_counters is not None and split_counters.numel() < k.shape[0] * k.shape[1]:
             split_counters = None
         return rope_decode_attention(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,

@@ -48,8 +48,8 @@ _PDL_CAPABLE: dict[int, bool] = {}
 _pdl_scope = [False]
 
 __all__ = ["HAS_TRITON", "INTERPRET", "InterpreterRequired", "call_op", "cpu_kernels", "llmplug_op", "maybe_wrap",
-           "next_pow2", "opaque", "pdl_options", "programmatic_launch", "round_rne", "rounded", "tl", "triton",
-           "use_triton", "wait_inputs"]
+           "next_pow2", "pdl_options", "programmatic_launch", "round_rne", "rounded", "tl", "triton", "use_triton",
+           "wait_inputs"]
 
 
 class InterpreterRequired(RuntimeError):
@@ -158,15 +158,6 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-
-    @triton.jit
-    def opaque(x, INTERPRETED: tl.constexpr):
-        """int32 ``x`` through an instruction the compiler cannot see through. What a kernel computes from the result
-        is not merged with the same computation from ``x`` elsewhere, so a value needed before and after a loop can be
-        computed twice instead of held in registers through it (registers set how many programs an SM keeps)."""
-        if INTERPRETED:
-            return x
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def round_rne(x, DTYPE: tl.constexpr):

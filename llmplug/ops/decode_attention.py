@@ -59,7 +59,6 @@ from ._triton import (
     llmplug_op,
     maybe_wrap,
     next_pow2,
-    opaque,
     pdl_options,
     round_rne,
     tl,
@@ -195,8 +194,9 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         if NEW_TOKEN:  # the token's RoPE row and slot: in the runtime, written before the previous kernel started
             rot, partner, cos, sin = rope_row(cos_ptr + b * stride_cos, sin_ptr + b * stride_cos, offs_d, rope_half)
-            if PRELOAD:
+            if not DENSE:
                 slot = tl.load(slot_ptr + b)
+            if PRELOAD:
                 wait_inputs(PDL)
                 # every input the q/k/v projection wrote in one round trip: the queries below and, in the split
                 # that folds it in, the new key and value
@@ -241,11 +241,7 @@ if triton is not None:
                                         SOFTCAP, QUANT, DOT_PRECISION, INTERPRETED)
         if NEW_TOKEN:
             if (split == used - 1) & (seq_len > 0):
-                if not PRELOAD:  # read only now, and the RoPE row and slot again: not held through the tile loop
-                    rot, partner, cos, sin = rope_row(cos_ptr + b * stride_cos, sin_ptr + b * stride_cos,
-                                                      opaque(offs_d, INTERPRETED), rope_half)
-                    if not DENSE:
-                        slot = tl.load(slot_ptr + b)
+                if not PRELOAD:  # read only now: not held in registers through the tile loop
                     k_new, k_new_other, v_new = load_new_key(kn_ptr, vn_ptr, b, kvh, stride_knb, stride_vnb,
                                                              partner, rot, seq_len > 0, HEAD_DIM, BLOCK_D)
                 if DENSE:  # the caches' strided (B, PAGE, Hkv, D) view
@@ -357,25 +353,6 @@ def launch_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
     return choose_num_splits(q.shape[0], k_cache.shape[2], max_context, block_n, sm_count(q.device))
 
 
-# The fused RoPE + store + attention at one split: registers the plain kernel's occupancy allows, by BLOCK_D
-FUSED_ONE_SPLIT_REGS = {64: 64}
-
-
-def fused_at_one_split(q: torch.Tensor) -> bool:
-    """Whether the fused RoPE + store + attention is the faster way over ``q: (B, H, D)`` where the context does not
-    split: where :data:`FUSED_ONE_SPLIT_REGS` caps its registers at the plain kernel's occupancy."""
-    return max(16, next_pow2(q.shape[-1])) in FUSED_ONE_SPLIT_REGS
-
-
-def register_cap(fused_one_split: bool, block_d: int) -> dict:
-    """Launch keywords capping the kernel's registers: ``maxnreg`` for the fused RoPE + store + attention at one split
-    (paged) where :data:`FUSED_ONE_SPLIT_REGS` has ``block_d``, so that it keeps as many programs on an SM as the plain
-    kernel; nothing otherwise and under the interpreter. NOTE: uncapped it took 80 registers against the plain
-    kernel's 62 (D = 64, Triton 3.6) and ran 19% slower (H200, 2026-12-02; BENCHMARKS.md, "Fourth session")."""
-    cap = FUSED_ONE_SPLIT_REGS.get(block_d) if fused_one_split and not INTERPRET else None
-    return {} if cap is None else {"maxnreg": cap}
-
-
 def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor | None, seq_lens: torch.Tensor | None, scale: float,
                             sliding_window: int, softcap: float, num_splits: int,
@@ -461,7 +438,7 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Interpreter workarounds: its tl.dot mishandles bf16 and it truncates fp32 -> bf16 casts (see ``round_rne``).
         INTERPRETED=INTERPRET, DENSE=dense, KEY_MASK=masked, num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(q), **register_cap(new_token is not None and splits == 1 and not dense, block_d),
+        **pdl_options(q),
     )
     if splits > 1 and not last_combines:
         maybe_wrap(_decode_attn_combine_kernel)[(bsz, num_heads)](

@@ -60,8 +60,7 @@ def test_decode_attention_serving_batches_cuda(b):
 def test_rope_decode_attention_cuda(d, h, hkv, window, softcap, rotary, dtype, kv_dtype, splits):
     """The fused decode step (RoPE, store, attention; the last split combining where counters are given) against
     RoPE + store then attention, at real sizes: the output within the attention tolerance, the stored rows bit for bit
-    (unquantized: RoPE rounded as HF rounds). One split: the whole context in one program (registers capped for
-    16-bit D = 64, ``decode_attention.FUSED_ONE_SPLIT_REGS``)."""
+    (unquantized: RoPE rounded as HF rounds). One split: the whole context in one program."""
     b, p = 5, 16
     lens = torch.tensor([1, 77, 1000, 513, 2049], dtype=torch.int32, device="cuda")
     kc, vc, bt = _paged(b, 2049, hkv, d, p, dtype)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from llmplug.bench.timing import replay_seconds
 from llmplug.ops._triton import programmatic_launch, tl, triton
 from llmplug.ops.rms_norm import rms_norm
 
@@ -156,15 +157,7 @@ def chain_time(lib, x: torch.Tensor, weights: list, norm_w: torch.Tensor, progra
     if programmatic:
         make_programmatic(lib, g.raw_cuda_graph(), lambda name: "rms_norm" not in name)
     g.instantiate()
-    for _ in range(3):
-        g.replay()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(20):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1e3 / (20 * len(weights))
+    return replay_seconds(g, replays=20, warmup=3) * 1e6 / len(weights)
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ from ..ops.greedy_step import advance_step, greedy_step
 from ..parallel.group import TPGroup
 from ..parallel.shard import head_split
 from ..spec.rejection import greedy_accept
-from . import graph_edges
 from .attention import ATTENTION_NAME
 from .hf_layers import HFLayers
 from .metadata import AttentionMetadata
@@ -85,7 +84,6 @@ class ModelRunner:
         self._warned_untracked = False  # said once that inference-tensor weights keep no prefix cache
         self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._pool = None  # one CUDA-graph memory pool shared by every captured graph
-        self._gemm_edges: graph_edges.ProgrammaticGemms | None = None  # GEMM kernels taking programmatic edges
         self._hf_configs = self._attention_configs()
         self.aux_layers: tuple[int, ...] = ()  # layers whose inputs each step captures (capture_aux)
         self.aux_hidden: torch.Tensor | None = None  # (T, len(aux_layers) * hidden): the last step's, when capturing
@@ -486,8 +484,7 @@ class ModelRunner:
         """Warm ``step`` (a forward of ``tokens`` tokens) up twice on a side stream (Triton and Dynamo compile, cuBLAS
         picks kernels, lazy buffers are made), then capture it into a graph of the runner's memory pool ->
         ``(graph, what step returned)``. With ``gemm_tuning`` on, the fused forward's GEMMs at ``tokens`` rows are
-        tuned first (:meth:`~llmplug.patches.decoder.FusedDecoder.tune_gemms`). The edges into the GEMM kernels that
-        wait on the grid dependency are made programmatic (:mod:`~llmplug.engine.graph_edges`)."""
+        tuned first (:meth:`~llmplug.patches.decoder.FusedDecoder.tune_gemms`)."""
         self.ensure_cache()
         if self.config.gemm_tuning and hasattr(self.forward_fn, "tune_gemms"):
             self.forward_fn.tune_gemms(tokens)
@@ -498,26 +495,10 @@ class ModelRunner:
             for _ in range(2):
                 step()
         torch.cuda.current_stream(dev).wait_stream(stream)
-        gemms = self._programmatic_gemms(tokens)
-        graph = torch.cuda.CUDAGraph(keep_graph=gemms is not None)
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool()):
             out = step()
-        if gemms is not None:
-            gemms.apply(graph)
-            graph.instantiate()
         return graph, out
-
-    def _programmatic_gemms(self, rows: int) -> graph_edges.ProgrammaticGemms | None:
-        """The device's :class:`~llmplug.engine.graph_edges.ProgrammaticGemms` with the fused forward's plain GEMMs
-        raced at ``rows`` rows; None where graphs keep their edges as captured (no fused forward, the feature off,
-        a GPU or driver without it)."""
-        if not (graph_edges.enabled() and hasattr(self.forward_fn, "plain_linears")):
-            return None
-        if self._gemm_edges is None:
-            self._gemm_edges = graph_edges.ProgrammaticGemms(self.device)
-        linears = [(shape, lins[0].matmul) for shape, lins in self.forward_fn.plain_linears().items()]
-        self._gemm_edges.verify(rows, linears, self.dtype)
-        return None if self._gemm_edges.unsupported else self._gemm_edges
 
     def _capture(self, key, buf: dict[str, torch.Tensor], step):
         """:meth:`capture_graph` of ``step``, keeping its outputs (the logits, and the captured layer inputs while

@@ -1,0 +1,131 @@
+"""The down projection at decode sizes: cuBLAS's split-K (its own reduce kernel) against a batched GEMM over K slices
+whose fp32 partials the next layer's add + RMSNorm sums. (GPU only.)
+
+At 128 rows the 1B model's down projection (N 2048, K 8192) runs through a split-K kernel and ``splitKreduce_kernel``,
+~16 us for 33.5 MB of weights (8 us of reading at the H200's 4.19 TB/s; BENCHMARKS.md, "cuBLASLt's other
+algorithms"). Here, chains of ``--layers`` (distinct weights) down projections each followed by add + RMSNorm, timed
+per layer in a CUDA graph:
+
+* ``linear``: ``F.linear`` then llmplug's ``add_rms_norm`` (today's step);
+* ``tuned``: the cuBLASLt algorithm ``tuned_gemm.tune`` picks, then ``add_rms_norm``;
+* ``bmm S``: ``torch.bmm`` of the ``S`` K slices with fp32 output ``(S, M, N)``, then one kernel that sums the
+  partials in order, rounds the sum to bf16 (what a GEMM's output is) and does the add + norm.
+
+Each variant's output is compared with ``linear``'s (max abs difference of the normed rows). ``--gemm-only`` times
+the products alone.
+
+    python benchmarks/splitk_down_probe.py --out splitk.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from llmplug.bench.timing import replay_seconds
+from llmplug.ops import tuned_gemm
+from llmplug.ops._triton import pdl_options, programmatic_launch, tl, triton
+from llmplug.ops.rms_norm import add_rms_norm
+
+E, FFN = 2048, 8192
+
+
+@triton.jit
+def _parts_add_norm_kernel(p_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, M, eps, S: tl.constexpr, E: tl.constexpr,
+                           PDL: tl.constexpr):
+    """Row ``pid``: ``h = bf16(sum_s p[s])``, ``r = bf16(h + res)``, ``out = rms_norm(r) * w`` (Llama rounding)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E)
+    h = tl.load(p_ptr + row * E + offs)
+    for s in tl.static_range(1, S):
+        h += tl.load(p_ptr + (s * M + row) * E + offs)
+    h = h.to(tl.bfloat16).to(tl.float32)
+    r = (h + tl.load(res_ptr + row * E + offs).to(tl.float32)).to(tl.bfloat16)
+    tl.store(res_out_ptr + row * E + offs, r)
+    r = r.to(tl.float32)
+    normed = (r * tl.rsqrt(tl.sum(r * r, axis=0) / E + eps)).to(tl.bfloat16).to(tl.float32)
+    tl.store(out_ptr + row * E + offs, (normed * tl.load(w_ptr + offs).to(tl.float32)).to(tl.bfloat16))
+
+
+def parts_add_norm(parts, res, w, out, res_out):
+    s, m, _ = parts.shape
+    _parts_add_norm_kernel[(m,)](parts, res, w, out, res_out, m, 1e-5, S=s, E=E, num_warps=4, **pdl_options(res))
+    return out
+
+
+def down_bmm(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
+    """``(S, M, N)`` fp32 partials of ``x (M, K) @ w (N, K)^T`` over ``S`` K slices."""
+    m, k = x.shape
+    a = x.view(m, splits, k // splits).transpose(0, 1)
+    b = w.view(w.shape[0], splits, k // splits).permute(1, 2, 0)
+    return torch.bmm(a, b, out_dtype=torch.float32)
+
+
+def chain(rows: int, weights: list, variant: str, gemm_only: bool, choice=None):
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(rows, FFN, device=dev, dtype=dt, generator=g)
+    res = torch.randn(rows, E, device=dev, dtype=dt, generator=g)
+    nw = torch.rand(E, device=dev, dtype=dt, generator=g) + 0.5
+    out, res_out = torch.empty(rows, E, device=dev, dtype=dt), torch.empty(rows, E, device=dev, dtype=dt)
+
+    def step():
+        y = None
+        for w in weights:
+            if variant == "linear" or variant == "tuned":
+                h = (tuned_gemm.matmul(choice, x, w) if variant == "tuned" else None)
+                h = F.linear(x, w) if h is None else h
+                y = h if gemm_only else add_rms_norm(h, res, nw, 1e-5)[0]
+            else:
+                parts = down_bmm(x, w, int(variant.split()[1]))
+                y = parts if gemm_only else parts_add_norm(parts, res, nw, out, res_out)
+        return y
+
+    with programmatic_launch():
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = step()
+    us = replay_seconds(graph, replays=30, warmup=3) * 1e6 / len(weights)
+    graph.replay()
+    return us, y.clone()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[128, 64, 256])
+    ap.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--gemm-only", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    weights = [torch.randn(E, FFN, device="cuda", dtype=torch.bfloat16) / FFN ** 0.5 for _ in range(args.layers)]
+    report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                    "layers": args.layers, "gemm_only": args.gemm_only, "runs": []}
+    for rows in args.rows:
+        choice = tuned_gemm.tune({(E, FFN): weights}, rows).get((E, FFN))
+        variants = ["linear"] + (["tuned"] if choice is not None else []) + [f"bmm {s}" for s in args.splits]
+        base = None
+        for variant in variants + ["linear"]:  # linear again last: drift
+            us, y = chain(rows, weights, variant, args.gemm_only, choice)
+            if args.gemm_only and y.dim() == 3:
+                y = y.sum(0).to(torch.bfloat16)
+            diff = None if base is None else (y.float() - base.float()).abs().max().item()
+            base = y if base is None else base
+            report["runs"].append({"rows": rows, "variant": variant, "us_per_layer": us, "max_abs_diff": diff})
+            print(f"rows {rows:4d}  {variant:8s} {us:7.2f} us a layer  max |diff| vs linear {diff}", flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

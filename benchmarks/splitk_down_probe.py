@@ -31,32 +31,33 @@ from llmplug.ops import tuned_gemm
 from llmplug.ops._triton import pdl_options, programmatic_launch, tl, triton
 from llmplug.ops.rms_norm import add_rms_norm
 
-E, FFN = 2048, 8192
-
 
 @triton.jit
-def _parts_add_norm_kernel(p_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, M, eps, S: tl.constexpr, E: tl.constexpr,
-                           PDL: tl.constexpr):
+def _parts_add_norm_kernel(p_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, M, N, eps, S: tl.constexpr,
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row ``pid``: ``h = bf16(sum_s p[s])``, ``r = bf16(h + res)``, ``out = rms_norm(r) * w`` (Llama rounding)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, E)
-    h = tl.load(p_ptr + row * E + offs)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    h = tl.load(p_ptr + row * N + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, S):
-        h += tl.load(p_ptr + (s * M + row) * E + offs)
+        h += tl.load(p_ptr + (s * M + row) * N + offs, mask=mask, other=0.0)
     h = h.to(tl.bfloat16).to(tl.float32)
-    r = (h + tl.load(res_ptr + row * E + offs).to(tl.float32)).to(tl.bfloat16)
-    tl.store(res_out_ptr + row * E + offs, r)
+    r = (h + tl.load(res_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)).to(tl.bfloat16)
+    tl.store(res_out_ptr + row * N + offs, r, mask=mask)
     r = r.to(tl.float32)
-    normed = (r * tl.rsqrt(tl.sum(r * r, axis=0) / E + eps)).to(tl.bfloat16).to(tl.float32)
-    tl.store(out_ptr + row * E + offs, (normed * tl.load(w_ptr + offs).to(tl.float32)).to(tl.bfloat16))
+    normed = (r * tl.rsqrt(tl.sum(r * r, axis=0) / N + eps)).to(tl.bfloat16).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (normed * w).to(tl.bfloat16), mask=mask)
 
 
 def parts_add_norm(parts, res, w, out, res_out):
-    s, m, _ = parts.shape
-    _parts_add_norm_kernel[(m,)](parts, res, w, out, res_out, m, 1e-5, S=s, E=E, num_warps=4, **pdl_options(res))
+    s, m, n = parts.shape
+    _parts_add_norm_kernel[(m,)](parts, res, w, out, res_out, m, n, 1e-5, S=s, BLOCK=triton.next_power_of_2(n),
+                                 num_warps=4 if n <= 4096 else 8, **pdl_options(res))
     return out
 
 
@@ -70,11 +71,12 @@ def down_bmm(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
 
 def chain(rows: int, weights: list, variant: str, gemm_only: bool, choice=None):
     dev, dt = "cuda", torch.bfloat16
+    n, k = weights[0].shape
     g = torch.Generator(device=dev).manual_seed(1)
-    x = torch.randn(rows, FFN, device=dev, dtype=dt, generator=g)
-    res = torch.randn(rows, E, device=dev, dtype=dt, generator=g)
-    nw = torch.rand(E, device=dev, dtype=dt, generator=g) + 0.5
-    out, res_out = torch.empty(rows, E, device=dev, dtype=dt), torch.empty(rows, E, device=dev, dtype=dt)
+    x = torch.randn(rows, k, device=dev, dtype=dt, generator=g)
+    res = torch.randn(rows, n, device=dev, dtype=dt, generator=g)
+    nw = torch.rand(n, device=dev, dtype=dt, generator=g) + 0.5
+    out, res_out = torch.empty(rows, n, device=dev, dtype=dt), torch.empty(rows, n, device=dev, dtype=dt)
 
     def step():
         y = None
@@ -102,26 +104,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[128, 64, 256])
     ap.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--shapes", nargs="+", default=["2048x8192"], help="N x K of the weights (1B down: 2048x8192)")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--gemm-only", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    weights = [torch.randn(E, FFN, device="cuda", dtype=torch.bfloat16) / FFN ** 0.5 for _ in range(args.layers)]
     report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
                     "layers": args.layers, "gemm_only": args.gemm_only, "runs": []}
-    for rows in args.rows:
-        choice = tuned_gemm.tune({(E, FFN): weights}, rows).get((E, FFN))
-        variants = ["linear"] + (["tuned"] if choice is not None else []) + [f"bmm {s}" for s in args.splits]
-        base = None
-        for variant in variants + ["linear"]:  # linear again last: drift
-            us, y = chain(rows, weights, variant, args.gemm_only, choice)
-            if args.gemm_only and y.dim() == 3:
-                y = y.sum(0).to(torch.bfloat16)
-            diff = None if base is None else (y.float() - base.float()).abs().max().item()
-            base = y if base is None else base
-            report["runs"].append({"rows": rows, "variant": variant, "us_per_layer": us, "max_abs_diff": diff})
-            print(f"rows {rows:4d}  {variant:8s} {us:7.2f} us a layer  max |diff| vs linear {diff}", flush=True)
+    for shape in args.shapes:
+        n, k = (int(v) for v in shape.split("x"))
+        torch.manual_seed(0)
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(args.layers)]
+        for rows in args.rows:
+            choice = tuned_gemm.tune({(n, k): weights}, rows).get((n, k))
+            variants = ["linear"] + (["tuned"] if choice is not None else [])
+            variants += [f"bmm {s}" for s in args.splits if k % (8 * s) == 0]
+            base = None
+            for variant in variants + ["linear"]:  # linear again last: drift
+                us, y = chain(rows, weights, variant, args.gemm_only, choice)
+                if args.gemm_only and y.dim() == 3:
+                    y = y.sum(0).to(torch.bfloat16)
+                diff = None if base is None else (y.float() - base.float()).abs().max().item()
+                base = y if base is None else base
+                report["runs"].append({"shape": [n, k], "rows": rows, "variant": variant, "us_per_layer": us,
+                                       "max_abs_diff": diff})
+                print(f"{shape:10s} rows {rows:4d}  {variant:8s} {us:7.2f} us a layer  max |diff| vs linear {diff}",
+                      flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=1)

@@ -1,7 +1,9 @@
 """RMSNorm, plain and fused with the residual add, for Llama-style (``w``) and Gemma-style (``1 + w``) weights.
 
 ``rms_norm`` also normalises per head: ``x: (T, H, D)`` may be a strided view into a fused qkv projection (Qwen3 and
-Gemma3 q/k norm). ``add_rms_norm`` replaces the decoder layer's ``residual + x`` followed by the next norm.
+Gemma3 q/k norm). ``add_rms_norm`` replaces the decoder layer's ``residual + x`` followed by the next norm;
+``parts_add_rms_norm`` does the same for an ``x`` left as fp32 partial products over K slices
+(:mod:`~llmplug.ops.ksplit_gemm`), summing them first.
 """
 
 from __future__ import annotations
@@ -53,6 +55,18 @@ def add_rms_norm_ref(
     return rms_norm_ref(residual_out, weight, eps, offset, round_first), residual_out
 
 
+def parts_add_rms_norm_ref(
+    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+    round_first: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference. ``parts: (S, R, N)`` fp32 summed in order and rounded to ``residual.dtype`` (a GEMM's output), then
+    :func:`add_rms_norm_ref` with ``residual``."""
+    total = parts[0].float()
+    for part in parts[1:]:
+        total = total + part.float()
+    return add_rms_norm_ref(total.to(residual.dtype), residual, weight, eps, offset, round_first)
+
+
 if triton is not None:
 
     @triton.jit
@@ -66,8 +80,11 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner, N, stride_xo, stride_xi,
-                         stride_res, eps, offset, HAS_RESIDUAL: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                         INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                         stride_part, stride_res, eps, offset, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr,
+                         ROUND_FIRST: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # PARTS > 0: x holds that many fp32 summands, ``stride_part`` apart, summed in order and rounded to the
+        # residual's dtype before the add
         wait_inputs(PDL)
         # Row r of the (n_rows, N) output is x[r // inner, r % inner, :]; a 2D x has inner == 1.
         # Inductor passes Python floats as fp64 (eager Triton as fp32): pin them, or the math turns fp64.
@@ -79,6 +96,10 @@ if triton is not None:
         x_offs = ((rows // inner) * stride_xo + (rows % inner) * stride_xi)[:, None] + cols[None, :]
         out_offs = (rows * N)[:, None] + cols[None, :]
         x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+        if PARTS > 0:
+            for part in tl.static_range(1, PARTS):
+                x += tl.load(x_ptr + part * stride_part + x_offs, mask=mask, other=0.0)
+            x = rounded(x, res_out_ptr.dtype.element_ty, INTERPRETED)
         if HAS_RESIDUAL:
             res = tl.load(res_ptr + (rows * stride_res)[:, None] + cols[None, :], mask=mask, other=0.0)
             summed = (x + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
@@ -99,18 +120,20 @@ def _launch_config(n: int) -> tuple[int, int, int]:
     return block, rows, num_warps
 
 
-def _launch(x, weight, out, eps, offset, round_first, residual=None, residual_out=None):
-    """Normalise rows of ``x`` into ``out``; with ``residual``, add it first and store the sum in ``residual_out``."""
+def _launch(x, weight, out, eps, offset, round_first, residual=None, residual_out=None, parts=None):
+    """Normalise rows of ``x`` into ``out``; with ``residual``, add it first and store the sum in ``residual_out``;
+    with ``parts`` (``(S, R, N)`` fp32, ``x`` its first), sum them into ``x`` first."""
     inner, stride_xi = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
     n_rows, n = x.shape[0] * inner, x.shape[-1]
+    num_parts, stride_part = (0, 0) if parts is None else (parts.shape[0], parts.stride(0))
     block, rows, num_warps = _launch_config(n)
     has_residual = residual is not None
     if not has_residual:  # unused pointers: any tensor will do
         residual, residual_out = x, out
     maybe_wrap(_rms_norm_kernel)[(triton.cdiv(n_rows, rows),)](
-        x, residual, weight, out, residual_out, n_rows, inner, n, x.stride(0), stride_xi, residual.stride(0), eps,
-        offset, HAS_RESIDUAL=has_residual, ROUND_FIRST=round_first, INTERPRETED=INTERPRET, ROWS=rows, BLOCK=block,
-        num_warps=num_warps, **pdl_options(x))
+        x, residual, weight, out, residual_out, n_rows, inner, n, x.stride(0), stride_xi, stride_part,
+        residual.stride(0), eps, offset, HAS_RESIDUAL=has_residual, PARTS=num_parts, ROUND_FIRST=round_first,
+        INTERPRETED=INTERPRET, ROWS=rows, BLOCK=block, num_warps=num_warps, **pdl_options(x))
 
 
 @llmplug_op("rms_norm")
@@ -156,6 +179,26 @@ def _add_rms_norm_op(
 @_add_rms_norm_op.register_fake
 def _(x, residual, weight, eps, offset, round_first):
     return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@llmplug_op("parts_add_rms_norm")
+def _parts_add_rms_norm_op(
+    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, round_first: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(parts):
+        return parts_add_rms_norm_ref(parts, residual, weight, eps, offset, round_first)
+    assert parts.stride(-1) == 1 and parts.stride(1) == parts.shape[2], "parts must be (S, R, N) with rows contiguous"
+    assert residual.is_contiguous() and weight.stride(0) == 1, "residual (R, N) and weight (N,) must be contiguous"
+    out = residual.new_empty(residual.shape)
+    residual_out = residual.new_empty(residual.shape)
+    if residual.numel() > 0:
+        _launch(parts[0], weight, out, eps, offset, round_first, residual, residual_out, parts=parts)
+    return out, residual_out
+
+
+@_parts_add_rms_norm_op.register_fake
+def _(parts, residual, weight, eps, offset, round_first):
+    return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -209,4 +252,30 @@ def add_rms_norm(
         raise ValueError(f"residual.dtype={residual.dtype} differs from x.dtype={x.dtype}")
     _check_weight(x, weight)
     return call_op(_add_rms_norm_op, x, residual, weight, float(eps), float(offset),
+                   round_first_for(offset, round_first))
+
+
+def parts_add_rms_norm(
+    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+    round_first: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm` of ``x = sum(parts)``, the summands of a GEMM's output left unsummed
+    (:func:`~llmplug.ops.ksplit_gemm.ksplit_matmul`): summed in order in fp32 and rounded to ``residual``'s dtype,
+    as the GEMM's own output would be, then added to ``residual`` and normalised; one kernel.
+
+    Args:
+        parts: ``(S, R, N)`` fp32, rows contiguous.
+        residual: ``(R, N)`` contiguous; its dtype is the outputs'.
+        weight, eps, offset, round_first: as :func:`add_rms_norm`.
+
+    Returns:
+        ``(out, residual_out)`` as :func:`add_rms_norm`'s, ``(R, N)`` in ``residual.dtype``.
+    """
+    if parts.dim() != 3 or parts.shape[1:] != residual.shape:
+        raise ValueError(f"parts must be (S, R, N) over residual's (R, N); got {tuple(parts.shape)} and "
+                         f"{tuple(residual.shape)}")
+    if parts.dtype != torch.float32:
+        raise ValueError(f"parts must be float32 summands, got {parts.dtype}")
+    _check_weight(residual, weight)
+    return call_op(_parts_add_rms_norm_op, parts, residual, weight, float(eps), float(offset),
                    round_first_for(offset, round_first))

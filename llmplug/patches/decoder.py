@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.attention import rope_paged_attention
-from ..ops import skinny_gemv, tuned_gemm
+from ..ops import ksplit_gemm, skinny_gemv, tuned_gemm
 from ..ops.act_mul import act_and_mul
 from ..ops.gemv import add_norm_gemv, gemv, norm_in_prologue
-from ..ops.rms_norm import add_rms_norm, rms_norm, round_first_for
+from ..ops.rms_norm import add_rms_norm, parts_add_rms_norm, rms_norm, round_first_for
 from ..parallel.group import TPGroup
 from ..parallel.linear import RowParallel
 from ..parallel.shard import head_split
@@ -73,6 +73,13 @@ class Dense:
             out = torch.mm(x, self.weight.t(), out_dtype=torch.float32)  # cuBLAS, fp32 accumulators kept
             return out if self.bias is None else out + self.bias.float()
         return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+
+    def summands(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x (M, K) @ W^T`` as ``(S, M, N)`` fp32 partial products over K slices where the fixed rule of
+        :func:`~llmplug.ops.ksplit_gemm.splits` says that is faster (a down projection at 9-256 rows on CUDA), for a
+        consumer that sums them (:func:`~llmplug.ops.rms_norm.parts_add_rms_norm`); None otherwise."""
+        slices = 0 if self.bias is not None else ksplit_gemm.splits(x, self.weight)
+        return ksplit_gemm.ksplit_matmul(x, self.weight, slices) if slices else None
 
     def gated_matmul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """``act(x @ W_gate^T) * (x @ W_up^T)`` for a fused gate/up weight (gate rows first): ``(M, K)`` ->
@@ -209,7 +216,9 @@ class FusedDecoder:
         (:meth:`QuantLinear.matmul_add_norm`), no norm kernel; with a plain weight where it pays
         (:func:`~llmplug.ops.gemv.norm_in_prologue`) the norm runs in the GEMV's prologue
         (:func:`~llmplug.ops.gemv.add_norm_gemv`). NOTE: both shorten the decode graph replay (H200 / H100, 2026-11-22;
-        BENCHMARKS.md, "Norm in the GEMV's prologue", "Earlier: the RMSNorm split between the quantized GEMVs")."""
+        BENCHMARKS.md, "Norm in the GEMV's prologue", "Earlier: the RMSNorm split between the quantized GEMVs").
+        At 9-256 rows a plain long-K producer (a down projection) leaves fp32 partial products over K slices, which
+        the add + norm sums (:mod:`~llmplug.ops.ksplit_gemm`)."""
         eps, offset = _eps(norm), self.spec.norm_offset
         if (isinstance(producer, QuantLinear) and isinstance(linear, QuantLinear) and producer.norm_gemv(x)
                 and linear.norm_gemv(x)):
@@ -223,11 +232,15 @@ class FusedDecoder:
             x, residual = producer.all_reduce_add_norm(x, residual, norm.weight, eps, offset,
                                                        round_first_for(offset, None))
         else:
-            hidden = x if producer is None else producer.matmul(x)
-            if prologue:
-                return add_norm_gemv(hidden, residual, norm.weight, eps, offset, linear.weight, linear.bias,
-                                     gated=gated)
-            x, residual = add_rms_norm(hidden, residual, norm.weight, eps, offset)
+            parts = producer.summands(x) if isinstance(producer, Dense) else None  # None at one row (prologue)
+            if parts is not None:  # the GEMM's K slices, summed by the add + norm (llmplug.ops.ksplit_gemm)
+                x, residual = parts_add_rms_norm(parts, residual, norm.weight, eps, offset)
+            else:
+                hidden = x if producer is None else producer.matmul(x)
+                if prologue:
+                    return add_norm_gemv(hidden, residual, norm.weight, eps, offset, linear.weight, linear.bias,
+                                         gated=gated)
+                x, residual = add_rms_norm(hidden, residual, norm.weight, eps, offset)
         return (linear.gated_matmul(x, gated) if gated else linear.matmul(x)), residual
 
     def _rotary_emb(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple]:

@@ -5,9 +5,9 @@ sums the partials in a reduce kernel of its own: a kernel and a launch gap more 
 runs one batched GEMM over ``S`` K slices instead and leaves the ``(S, M, N)`` fp32 partials to the add + norm that
 follows (:func:`~llmplug.ops.rms_norm.parts_add_rms_norm`), which sums them in order and rounds the sum once, as
 cuBLAS's reduce does. :func:`splits` is a fixed rule (the same choice in every process): four slices where
-``K >= 4 N``, else two. NOTE: H200, bf16, down projection + add + norm, 1B (2048 x 8192) at 128 rows 18.2 -> 15.6 us,
-8B (4096 x 14336) 40.1 -> 37.1 us; every row count 16-256 faster; the o projection (K = N) not always, so not
-split (BENCHMARKS.md, "Fifth session of 2026-12-02").
+``K >= 4 N``. NOTE: H200, bf16, the 1B's down projection + add + norm at 128 rows 18.2 -> 15.6 us, its Engine's
+workload (b) 69.6-70.2 -> 70.7-71.0% of the floor; two slices of the 8B's made its (b) slower (80.6 -> 76.8%) though
+faster alone; the o projection (K = N) not always faster (BENCHMARKS.md, "Fifth session of 2026-12-02").
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 
 def slices_for(m: int, n: int, k: int) -> int:
-    """The rule: K slices for ``(M, K) @ (N, K)^T`` in half precision on CUDA; 0 below ``MIN_ROWS`` or above
-    ``MAX_ROWS`` rows, for ``K < 2 N`` and where a slice would not be 16-byte aligned; 4 where ``K >= 4 N``, else 2."""
-    if not (MIN_ROWS <= m <= MAX_ROWS and k >= 2 * n):
+    """The rule: K slices for ``(M, K) @ (N, K)^T`` in half precision on CUDA: 4 at ``MIN_ROWS`` to ``MAX_ROWS``
+    rows where ``K >= 4 N`` and a slice stays 16-byte aligned, else 0. (Two slices of the 8B's down projection,
+    ``K = 3.5 N``, were faster alone but made the 8B Engine slower, so shapes like it keep cuBLAS's split-K.)"""
+    if not (MIN_ROWS <= m <= MAX_ROWS and k >= 4 * n and k % 32 == 0):
         return 0
-    s = 4 if k >= 4 * n else 2
-    return s if k % (8 * s) == 0 else 0
+    return 4
 
 
 def splits(x: torch.Tensor, weight: torch.Tensor) -> int:

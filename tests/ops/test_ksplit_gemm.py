@@ -28,10 +28,11 @@ def test_slices_sum_to_the_product(slices):
 
 
 def test_rule():
-    assert slices_for(128, 2048, 8192) == 4 and slices_for(128, 4096, 14336) == 2  # Llama-3.2-1B, Llama-3-8B down
+    assert slices_for(128, 2048, 8192) == 4  # Llama-3.2-1B's down projection
+    assert slices_for(128, 4096, 14336) == 0  # Llama-3-8B's: K = 3.5 N (its Engine was slower with two slices)
     assert slices_for(128, 2048, 2048) == 0  # o projection: K = N
     assert slices_for(8, 2048, 8192) == 0 and slices_for(257, 2048, 8192) == 0  # GEMV rows, prefill rows
-    assert slices_for(64, 64, 200) == 0  # slices of 50 (100 bytes) would not be 16-byte aligned
+    assert slices_for(64, 64, 264) == 0  # slices of 66 (132 bytes) would not be 16-byte aligned
     assert splits(torch.randn(128, 8192), torch.randn(2048, 8192)) == 0  # CPU, fp32
 
 
@@ -88,7 +89,7 @@ def test_fused_forward_through_k_slices_matches_stock(monkeypatch, interpreted):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,n,k", [(128, 2048, 8192), (37, 512, 1536), (256, 1024, 4096)])
+@pytest.mark.parametrize("rows,n,k", [(128, 2048, 8192), (37, 384, 1536), (256, 1024, 4096)])
 def test_cuda_k_slices_and_their_add_norm(dtype, rows, n, k):
     torch.manual_seed(0)
     x, w = torch.randn(rows, k, device="cuda", dtype=dtype), torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5

@@ -42,14 +42,20 @@ def _prefetch_heads(w_ptr, n_rows, row_bytes, head_bytes, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _norm_kernel(x_ptr, x_stride, res_ptr, w_ptr, out_ptr, eps, pf_ptr, pf_rows, pf_row_bytes, pf_head_bytes,
-                 E: tl.constexpr, ADD: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """Row ``pid``: ``res += x`` (with ``ADD``), ``out = rms_norm(res or x) * w``; first the prefetch share."""
+def _prefetch_then_wait(pf_ptr, pf_rows, pf_row_bytes, pf_head_bytes, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """The prefetch share (weights: before the wait), then the grid-dependency wait and trigger."""
     if PREFETCH:
         _prefetch_heads(pf_ptr, pf_rows, pf_row_bytes, pf_head_bytes, BLOCK=128)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def _norm_kernel(x_ptr, x_stride, res_ptr, w_ptr, out_ptr, eps, pf_ptr, pf_rows, pf_row_bytes, pf_head_bytes,
+                 E: tl.constexpr, ADD: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """Row ``pid``: ``res += x`` (with ``ADD``), ``out = rms_norm(res or x) * w``; first the prefetch share."""
+    _prefetch_then_wait(pf_ptr, pf_rows, pf_row_bytes, pf_head_bytes, PREFETCH, PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E)
     x = tl.load(x_ptr + row * x_stride + offs).to(tl.float32)
@@ -64,11 +70,7 @@ def _norm_kernel(x_ptr, x_stride, res_ptr, w_ptr, out_ptr, eps, pf_ptr, pf_rows,
 def _silu_mul_kernel(x_ptr, out_ptr, pf_ptr, pf_rows, pf_row_bytes, pf_head_bytes, F_: tl.constexpr,
                      PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Row ``pid``: ``out = silu(x[:, :F]) * x[:, F:]``; first the prefetch share."""
-    if PREFETCH:
-        _prefetch_heads(pf_ptr, pf_rows, pf_row_bytes, pf_head_bytes, BLOCK=128)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    _prefetch_then_wait(pf_ptr, pf_rows, pf_row_bytes, pf_head_bytes, PREFETCH, PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, F_)
     g = tl.load(x_ptr + row * 2 * F_ + offs).to(tl.float32)

@@ -1,6 +1,6 @@
 """A long-K GEMM at decode sizes as fp32 partial products over K slices, for a residual add + RMSNorm to sum.
 
-At 9-256 rows a down projection (``K >= 2 N``) has too few output tiles to fill the GPU, so cuBLAS splits K and
+At 9-256 rows a down projection (K several times N) has too few output tiles to fill the GPU, so cuBLAS splits K and
 sums the partials in a reduce kernel of its own: a kernel and a launch gap more per layer. :func:`ksplit_matmul`
 runs one batched GEMM over ``S`` K slices instead and leaves the ``(S, M, N)`` fp32 partials to the add + norm that
 follows (:func:`~llmplug.ops.rms_norm.parts_add_rms_norm`), which sums them in order and rounds the sum once, as

@@ -155,7 +155,7 @@ def race(lib, consumer, x: torch.Tensor, spins: int, into, replays: int = 10) ->
 def races(lib, consumer, x: torch.Tensor, spins: list[int], into) -> dict:
     """:func:`race` at each spin length; ``waits``: every replay at every length saw the writes. A kernel that does
     not wait can still pass a short spin (its blocks become resident only as the spinning ones retire), so only a
-    pass at every length, the longest ~0.2 ms, counts."""
+    pass at every length counts."""
     runs = [race(lib, consumer, x, s, into) for s in spins]
     return {"runs": runs, "waits": all(r["saw_the_writes"] == r["replays"] for r in runs)}
 

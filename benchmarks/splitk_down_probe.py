@@ -8,8 +8,9 @@ per layer in a CUDA graph:
 
 * ``linear``: ``F.linear`` then llmplug's ``add_rms_norm`` (today's step);
 * ``tuned``: the cuBLASLt algorithm ``tuned_gemm.tune`` picks, then ``add_rms_norm``;
-* ``bmm S``: ``torch.bmm`` of the ``S`` K slices with fp32 output ``(S, M, N)``, then one kernel that sums the
-  partials in order, rounds the sum to bf16 (what a GEMM's output is) and does the add + norm.
+* ``bmm S``: :func:`~llmplug.ops.ksplit_gemm.ksplit_matmul` (``torch.bmm`` of the ``S`` K slices with fp32 output
+  ``(S, M, N)``), then :func:`~llmplug.ops.rms_norm.parts_add_rms_norm`, which sums the partials in order, rounds the
+  sum to bf16 (what a GEMM's output is) and does the add + norm.
 
 Each variant's output is compared with ``linear``'s (max abs difference of the normed rows). ``--gemm-only`` times
 the products alone.
@@ -24,49 +25,12 @@ import json
 
 import torch
 import torch.nn.functional as F
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmplug.bench.timing import replay_seconds
 from llmplug.ops import tuned_gemm
-from llmplug.ops._triton import pdl_options, programmatic_launch, tl, triton
-from llmplug.ops.rms_norm import add_rms_norm
-
-
-@triton.jit
-def _parts_add_norm_kernel(p_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, M, N, eps, S: tl.constexpr,
-                           BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Row ``pid``: ``h = bf16(sum_s p[s])``, ``r = bf16(h + res)``, ``out = rms_norm(r) * w`` (Llama rounding)."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    h = tl.load(p_ptr + row * N + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, S):
-        h += tl.load(p_ptr + (s * M + row) * N + offs, mask=mask, other=0.0)
-    h = h.to(tl.bfloat16).to(tl.float32)
-    r = (h + tl.load(res_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)).to(tl.bfloat16)
-    tl.store(res_out_ptr + row * N + offs, r, mask=mask)
-    r = r.to(tl.float32)
-    normed = (r * tl.rsqrt(tl.sum(r * r, axis=0) / N + eps)).to(tl.bfloat16).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (normed * w).to(tl.bfloat16), mask=mask)
-
-
-def parts_add_norm(parts, res, w, out, res_out):
-    s, m, n = parts.shape
-    _parts_add_norm_kernel[(m,)](parts, res, w, out, res_out, m, n, 1e-5, S=s, BLOCK=triton.next_power_of_2(n),
-                                 num_warps=4 if n <= 4096 else 8, **pdl_options(res))
-    return out
-
-
-def down_bmm(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
-    """``(S, M, N)`` fp32 partials of ``x (M, K) @ w (N, K)^T`` over ``S`` K slices."""
-    m, k = x.shape
-    a = x.view(m, splits, k // splits).transpose(0, 1)
-    b = w.view(w.shape[0], splits, k // splits).permute(1, 2, 0)
-    return torch.bmm(a, b, out_dtype=torch.float32)
+from llmplug.ops._triton import programmatic_launch
+from llmplug.ops.ksplit_gemm import ksplit_matmul
+from llmplug.ops.rms_norm import add_rms_norm, parts_add_rms_norm
 
 
 def chain(rows: int, weights: list, variant: str, gemm_only: bool, choice=None):
@@ -76,7 +40,6 @@ def chain(rows: int, weights: list, variant: str, gemm_only: bool, choice=None):
     x = torch.randn(rows, k, device=dev, dtype=dt, generator=g)
     res = torch.randn(rows, n, device=dev, dtype=dt, generator=g)
     nw = torch.rand(n, device=dev, dtype=dt, generator=g) + 0.5
-    out, res_out = torch.empty(rows, n, device=dev, dtype=dt), torch.empty(rows, n, device=dev, dtype=dt)
 
     def step():
         y = None
@@ -86,8 +49,8 @@ def chain(rows: int, weights: list, variant: str, gemm_only: bool, choice=None):
                 h = F.linear(x, w) if h is None else h
                 y = h if gemm_only else add_rms_norm(h, res, nw, 1e-5)[0]
             else:
-                parts = down_bmm(x, w, int(variant.split()[1]))
-                y = parts if gemm_only else parts_add_norm(parts, res, nw, out, res_out)
+                parts = ksplit_matmul(x, w, int(variant.split()[1]))
+                y = parts if gemm_only else parts_add_rms_norm(parts, res, nw, 1e-5)[0]
         return y
 
     with programmatic_launch():

@@ -111,6 +111,23 @@ def test_sequences_after_other_rows_and_padding_sequences(reference):
     assert (out[:lead] == 3).all() and (out[lead + t:] == 3).all()
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the tile map kernel runs on CPU tensors only under the interpreter")
+@pytest.mark.parametrize("block_m", [16, 32, 128])
+def test_tile_map_lists_every_query_tile_once(block_m):
+    """The rows the attention programs read: every query tile of every sequence exactly once (a sequence starting at
+    row ``cu[0] > 0``, zero-length and padding sequences among them), then the count of them."""
+    from llmplug.ops.prefill_attention import _tile_map
+
+    seqlens, ctx_lens, lead = [19, 0, 37, 1, 64, 0, 0], [5, 9, 33, 0, 2, 0, 0], 7
+    cu = torch.tensor([lead, *(lead + torch.tensor(seqlens).cumsum(0)).tolist()], dtype=torch.int32)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    tiles, count = _tile_map(cu, ctx, lead + sum(seqlens) + 40, max(seqlens), block_m)
+    want = sorted((b, int(cu[b]), n, m, c) for b, (n, c) in enumerate(zip(seqlens, ctx_lens))
+                  for m in range(0, n, block_m))
+    assert int(count) == len(want) <= tiles.shape[0]
+    assert sorted(tuple(r) for r in tiles[:len(want)].tolist()) == want
+
+
 def test_reference_matches_sdpa():
     """No cache, no window, no softcap: the reference is causal SDPA per sequence (with GQA)."""
     args = make_inputs([3, 17, 30], [0, 0, 0], 6, 2, 64, 16, torch.float64)

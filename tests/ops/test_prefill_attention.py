@@ -128,6 +128,24 @@ def test_tile_map_lists_every_query_tile_once(block_m):
     assert sorted(tuple(r) for r in tiles[:len(want)].tolist()) == want
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the tile map kernel runs on CPU tensors only under the interpreter")
+@pytest.mark.parametrize("ctx_lens", [[0, 0, 0, 0, 0], [0, 40, 0, 3, 0]])
+def test_tile_map_order(ctx_lens):
+    """Without context the rows run sequences last to first, each one's tiles last to first; with context they run
+    by keys attended (context + causal keys of the tile's last query), most first, ties in that same order."""
+    from llmplug.ops.prefill_attention import _tile_map
+
+    block_m, seqlens = 16, [40, 7, 33, 16, 0]
+    cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32)
+    tiles, count = _tile_map(cu, torch.tensor(ctx_lens, dtype=torch.int32), sum(seqlens), max(seqlens), block_m)
+    rows = [tuple(r) for r in tiles[:int(count)].tolist()]
+    default = [(b, int(cu[b]), n, m, c) for b, (n, c) in reversed(list(enumerate(zip(seqlens, ctx_lens))))
+               for m in reversed(range(0, n, block_m))]
+    if any(ctx_lens):
+        default.sort(key=lambda r: -(r[4] + min(r[3] + block_m, r[2])))  # stable: ties keep the default order
+    assert rows == default
+
+
 def test_reference_matches_sdpa():
     """No cache, no window, no softcap: the reference is causal SDPA per sequence (with GQA)."""
     args = make_inputs([3, 17, 30], [0, 0, 0], 6, 2, 64, 16, torch.float64)

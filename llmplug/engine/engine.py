@@ -9,8 +9,10 @@ to ``EngineConfig.greedy_ring`` decode steps whose tokens the host reads once (:
 
 from __future__ import annotations
 
+import array
 import functools
 import itertools
+import operator
 import threading
 import time
 import warnings
@@ -48,6 +50,27 @@ def _deliver(request: Request, item: StreamDelta | RequestOutput) -> None:
                       stacklevel=2)
         request.on_event = lambda item: None
         request.stream = False
+
+
+def _token_ids(prompt) -> array.array:
+    """``prompt`` (a sequence or 1-D tensor of integer token ids) as an int64 array (C speed for a list of ints).
+
+    Raises:
+        TypeError: an entry that is not an integer (a float id is refused, not truncated).
+        ValueError: an id beyond int64.
+    """
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex():
+            raise TypeError(f"a tensor prompt must be 1-D integer token ids, got shape {tuple(prompt.shape)} "
+                            f"of {prompt.dtype}")
+        prompt = prompt.tolist()
+    try:
+        return array.array("q", prompt)
+    except OverflowError:
+        raise ValueError(f"prompt token ids {[t for t in prompt if abs(operator.index(t)) >= 2 ** 63][:5]} are "
+                         "outside the vocabulary") from None
+    except TypeError as error:
+        raise TypeError(f"prompt token ids must be integers: {error}") from None
 
 
 class _Pending:
@@ -141,8 +164,9 @@ class Engine(ServingMixin, RankZeroMixin):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: Engine(model, tokenizer=...) or pass token ids")
             text, prompt = prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        ids = [int(t) for t in prompt]
+        ids = _token_ids(prompt)
         self._check_prompt(ids, params)
+        ids = ids.tolist()
         outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if outside:
             raise ValueError(f"stop_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
@@ -170,11 +194,12 @@ class Engine(ServingMixin, RankZeroMixin):
         self._wake.set()
         return rid
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt(self, ids: array.array, params: SamplingParams) -> None:
         if not ids:
             raise ValueError("empty prompt: a request needs at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
+        lo, hi = torch.aminmax(torch.frombuffer(ids, dtype=torch.int64))  # no Python loop over a long prompt
+        if lo.item() < 0 or hi.item() >= self.vocab_size:
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         total = len(ids) + params.max_new_tokens
         if total > self.runner.max_model_len:
@@ -260,9 +285,10 @@ class Engine(ServingMixin, RankZeroMixin):
 
     def _advance(self, plan: StepPlan) -> None:
         """Count the step's tokens as computed and cache the blocks they filled."""
+        P = self.block_size
         for seq, n in zip(plan.seqs, plan.num_new):
             seq.num_computed += n
-            if seq.has_unregistered_block(self.block_size):
+            if min(seq.num_computed, seq.resolved) >= (len(seq.entry_ids) + 1) * P:  # a full block to cache
                 seq.register_full_blocks(self.blocks)
         self.metrics.on_step(plan)
 
@@ -279,25 +305,27 @@ class Engine(ServingMixin, RankZeroMixin):
         tokens = sample(logits, seqs)
         if self.runner.tp is not None and not all(s.request.params.greedy for s in seqs):
             self.runner.tp.broadcast(tokens)  # rank 0's draws everywhere (greedy picks agree by themselves)
-        pending = _Pending(seqs, [s.num_tokens for s in seqs], tokens)
+        indices, longest = [], self.runner.max_model_len
         for seq in seqs:
-            seq.tokens.append(_PLACEHOLDER)
-            if seq.num_output >= seq.request.params.max_new_tokens or seq.num_tokens >= self.runner.max_model_len:
+            ids = seq.tokens
+            indices.append(len(ids))
+            ids.append(_PLACEHOLDER)
+            if len(ids) - seq.prompt_len >= seq.request.params.max_new_tokens or len(ids) >= longest:
                 self.scheduler.retire(seq)  # done whatever the token is: schedule nothing more for it
-        return pending
+        return _Pending(seqs, indices, tokens)
 
     def _resolve(self, finished: list[RequestOutput]) -> None:
         """Wait for the pending step's tokens, put them in place, check stop conditions, stream."""
         pending, self._pending = self._pending, None
         values = pending.values()
-        now, count = time.perf_counter(), 0
+        now, count, P = time.perf_counter(), 0, self.block_size
         for seq, index, token in zip(pending.seqs, pending.indices, values):
             if seq.status is Status.FINISHED:  # stopped a step earlier: this extra token is dropped
                 continue
             count += 1
             seq.tokens[index] = token
             seq.resolved = index + 1
-            if seq.has_unregistered_block(self.block_size):
+            if min(seq.num_computed, index + 1) >= (len(seq.entry_ids) + 1) * P:  # a full block to cache
                 seq.register_full_blocks(self.blocks)
             self._check_stop(seq, token, now, finished)
         self.metrics.output_tokens += count

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import operator
 import statistics
 
 from ..kv.prefix_cache import BlockManager
 from .params import EngineConfig
 from .request import RequestOutput
+
+_BLOCKS, _COMPUTED = operator.attrgetter("blocks"), operator.attrgetter("num_computed")
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -53,7 +56,8 @@ class EngineMetrics:
         if not plan.seqs:
             return
         held = blocks.num_used * blocks.block_size
-        empty = sum(len(s.blocks) * blocks.block_size - (s.num_computed + n) for s, n in zip(plan.seqs, plan.num_new))
+        empty = (blocks.block_size * sum(map(len, map(_BLOCKS, plan.seqs))) - sum(map(_COMPUTED, plan.seqs))
+                 - sum(plan.num_new))
         self.kv_use.append(blocks.num_used / blocks.num_total)
         if held:
             self.kv_waste_max = max(self.kv_waste_max, empty / held)

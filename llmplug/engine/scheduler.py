@@ -115,13 +115,16 @@ class Scheduler:
                 decodes.append(s)
             elif left > 1:
                 prefills.append(s)
+        P, shared = self.block_size, self.blocks.is_shared
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted for an earlier sequence
                 continue
-            n = min(len(seq.tokens) - seq.num_computed, budget)
-            if self._reserve(seq, n, plan):
+            done = seq.num_computed
+            n = min(len(seq.tokens) - done, budget)
+            room = n == 1 and done % P and not shared(seq.blocks[done // P])  # a decode with room in its own block
+            if room or self._reserve(seq, n, plan):
                 plan.seqs.append(seq)
                 plan.num_new.append(n)
                 budget -= n

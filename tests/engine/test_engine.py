@@ -460,6 +460,10 @@ def test_stats_count_only_delivered_tokens_when_requests_stop_early():
     ([5] * 60, SamplingParams(max_new_tokens=10), ValueError, "whole KV pool"),
     ([5, 128, 7], None, ValueError, r"\[128\]"),
     ([5, -1], None, ValueError, r"\[-1\]"),
+    ([5, 2 ** 70], None, ValueError, "outside the vocabulary"),
+    ([5, 6.0], None, TypeError, "integers"),
+    (torch.tensor([[5, 6]]), None, TypeError, "1-D integer"),
+    (torch.tensor([5.0, 6.0]), None, TypeError, "1-D integer"),
     ("some text", None, ValueError, "tokenizer"),
     ([5, 6], SamplingParams(stop=("x",)), ValueError, "tokenizer"),
     ([5, 6], {"max_new_tokens": 3}, TypeError, "SamplingParams"),
@@ -475,6 +479,15 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(prompt, params, error, 
     assert engine.generate([3, 4, 5], greedy(4), progress=False)[0].outputs[0].token_ids == \
         hf_greedy(stock, [3, 4, 5], 4)
     assert_all_blocks_back(engine)
+
+
+def test_prompt_ids_as_tuple_tensor_or_list_give_the_same_tokens():
+    stock, engine = make_engine()
+    row = [9, 8, 7, 6]
+    outs = engine.generate([row, tuple(row), torch.tensor(row), torch.tensor(row, dtype=torch.int32)], greedy(5),
+                           progress=False)
+    assert all(o.prompt_token_ids == row and type(o.prompt_token_ids[0]) is int for o in outs)
+    assert all(o.outputs[0].token_ids == hf_greedy(stock, row, 5) for o in outs)
 
 
 @pytest.mark.parametrize("kw, match", [

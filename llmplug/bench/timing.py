@@ -98,10 +98,11 @@ def kernels_by_name(fn: Callable[[], object], per: int = 1) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def busy_and_gaps(events, largest: int = 8) -> tuple[float, dict]:
+def busy_and_gaps(events, largest: int = 8, bucket_ms: float = 50.0) -> tuple[float, dict]:
     """Seconds the GPU ran any kernel (the union of the kernels' intervals), and its idle gaps between the first and
     last kernel by size: ``{">= 0.1 ms": (count, s), ">= 1 ms": (count, s), "all": (count, s), "largest": [(ms into
-    the run, gap ms, the kernel before, the kernel after), ...]}``."""
+    the run, gap ms, the kernel before, the kernel after), ...], "idle_ms_by_bucket": [idle ms in each ``bucket_ms``
+    of the run, by where each gap starts]}``."""
     spans = sorted((e.time_range.start, e.time_range.start + e.device_time, e.name) for e in events)
     total, lo, hi, last, gaps = 0.0, None, None, "", []
     for s, e, name in spans:
@@ -119,6 +120,10 @@ def busy_and_gaps(events, largest: int = 8) -> tuple[float, dict]:
     first = spans[0][0] if spans else 0
     by_size["largest"] = [(round((at - first) * 1e-3, 2), round(g * 1e-3, 3), before[:50], after[:50])
                           for g, at, before, after in sorted(gaps, reverse=True)[:largest]]
+    buckets = [0.0] * (int((hi - first) * 1e-3 // bucket_ms) + 1 if spans else 0)
+    for g, at, _, _ in gaps:
+        buckets[int((at - first) * 1e-3 // bucket_ms)] += g * 1e-3
+    by_size["idle_ms_by_bucket"] = [round(b, 2) for b in buckets]
     return total * 1e-6, by_size
 
 

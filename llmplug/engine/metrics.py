@@ -87,7 +87,7 @@ class EngineMetrics:
         tpots = []
         for c in out.outputs:
             times = c.token_times
-            self.itl.extend(b - a for a, b in zip(times, times[1:]))
+            self.itl.extend(map(operator.sub, times[1:], times))
             if len(times) > 1:
                 tpots.append((times[-1] - times[0]) / (len(times) - 1))
         tpot = max(tpots) if tpots else 0.0

@@ -145,7 +145,7 @@ class Engine(ServingMixin, RankZeroMixin):
         """Queue a request (thread-safe); returns its id.
 
         Args:
-            prompt: token ids, or text when the engine has a tokenizer.
+            prompt: token ids (a list or a 1-D integer tensor), or text when the engine has a tokenizer.
             params: :class:`SamplingParams` (defaults when None).
             request_id: a unique id; generated when None.
             on_event: called on the engine's thread with every :class:`StreamDelta` (when ``stream``) and with the

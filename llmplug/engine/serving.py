@@ -11,12 +11,13 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 
+import torch
 from tqdm.auto import tqdm
 
 from .params import SamplingParams
 from .request import RequestOutput, StreamDelta
 
-Prompt = str | list[int]
+Prompt = str | list[int] | torch.Tensor
 
 
 class ServingMixin:
@@ -27,9 +28,17 @@ class ServingMixin:
                  progress: bool = True) -> list[RequestOutput]:
         """Run ``prompts`` to completion (with a progress bar); outputs in prompt order.
 
-        A single prompt (text or a flat list of ids) is one request. ``params`` is one for all or one per prompt.
+        A single prompt (text, a flat list of ids or a 1-D tensor of ids) is one request. ``params`` is one for all or
+        one per prompt.
+
+        Raises:
+            ValueError: a tensor of prompts that is not 1-D (a padded ``(B, T)`` batch would generate from its padding;
+                pass its rows without the padding, as a list).
         """
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        if isinstance(prompts, torch.Tensor) and prompts.dim() != 1:
+            raise ValueError(f"prompts as a tensor must be one 1-D prompt, got shape {tuple(prompts.shape)}; pass a "
+                             "list of prompts without their padding")
+        single = isinstance(prompts, (str, torch.Tensor)) or (len(prompts) > 0 and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):

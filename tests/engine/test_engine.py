@@ -488,6 +488,10 @@ def test_prompt_ids_as_tuple_tensor_or_list_give_the_same_tokens():
                            progress=False)
     assert all(o.prompt_token_ids == row and type(o.prompt_token_ids[0]) is int for o in outs)
     assert all(o.outputs[0].token_ids == hf_greedy(stock, row, 5) for o in outs)
+    (one,) = engine.generate(torch.tensor(row), greedy(5), progress=False)  # a 1-D tensor is one prompt
+    assert one.outputs[0].token_ids == hf_greedy(stock, row, 5)
+    with pytest.raises(ValueError, match="1-D prompt"):
+        engine.generate(torch.tensor([row, row]), greedy(5), progress=False)
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -288,7 +288,7 @@ class Engine(ServingMixin, RankZeroMixin):
         P = self.block_size
         for seq, n in zip(plan.seqs, plan.num_new):
             seq.num_computed += n
-            if min(seq.num_computed, seq.resolved) >= (len(seq.entry_ids) + 1) * P:  # a full block to cache
+            if seq.has_unregistered_block(P):
                 seq.register_full_blocks(self.blocks)
         self.metrics.on_step(plan)
 
@@ -325,7 +325,7 @@ class Engine(ServingMixin, RankZeroMixin):
             count += 1
             seq.tokens[index] = token
             seq.resolved = index + 1
-            if min(seq.num_computed, index + 1) >= (len(seq.entry_ids) + 1) * P:  # a full block to cache
+            if seq.has_unregistered_block(P):
                 seq.register_full_blocks(self.blocks)
             self._check_stop(seq, token, now, finished)
         self.metrics.output_tokens += count

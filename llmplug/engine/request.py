@@ -95,11 +95,13 @@ class Sequence:
         blocks.free(self.blocks[keep:])
         del self.blocks[keep:]
 
-    def register_full_blocks(self, blocks: BlockManager) -> None:
-        """Cache every block that is computed, full, and whose tokens the host knows (never an unverified token).
+    def has_unregistered_block(self, block_size: int) -> bool:
+        """Whether a block is computed, full and known to the host but not yet in the prefix cache: what
+        :meth:`register_full_blocks` would register (a cheap check, so per-step loops call that only when it does)."""
+        return min(self.num_computed, self.resolved) >= (len(self.entry_ids) + 1) * block_size
 
-        There is one when ``min(num_computed, resolved) >= (len(entry_ids) + 1) * block_size``; the Engine's per-step
-        loops test that inline and call this only then."""
+    def register_full_blocks(self, blocks: BlockManager) -> None:
+        """Cache every block that is computed, full, and whose tokens the host knows (never an unverified token)."""
         P = blocks.block_size
         for j in range(len(self.entry_ids), min(self.num_computed, self.resolved) // P):
             parent = self.entry_ids[-1] if self.entry_ids else ROOT

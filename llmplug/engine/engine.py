@@ -10,7 +10,6 @@ to ``EngineConfig.greedy_ring`` decode steps whose tokens the host reads once (:
 from __future__ import annotations
 
 import array
-import functools
 import itertools
 import operator
 import threading
@@ -23,21 +22,19 @@ from tqdm.auto import tqdm
 
 from ..kv.swap import SwapSpace
 from ..state import ensure_state
-from .engine_ring import EngineRing
+from .engine_ring import EngineRing, RingBlock
 from .engine_spec import EngineSpeculation
 from .engine_tp import RankZeroMixin, RankZeroRequests, check_params
-from .host_read import HostRead
 from .metrics import EngineMetrics
 from .page_table import PageTable
 from .params import EngineConfig, SamplingParams
+from .pending import PLACEHOLDER, PendingStep
 from .request import CompletionOutput, Request, RequestOutput, Sequence, Status, StreamDelta
 from .sampler import sample
 from .scheduler import Scheduler, StepPlan
 from .serving import Prompt, ServingMixin
 from .step import StepContext, build_step, device_tensor, to_device
 from .warmup import compile_attention_variants
-
-_PLACEHOLDER = -1  # a sampled token the host has not seen yet
 
 
 def _deliver(request: Request, item: StreamDelta | RequestOutput) -> None:
@@ -71,24 +68,6 @@ def _token_ids(prompt) -> array.array:
                          "outside the vocabulary") from None
     except TypeError as error:
         raise TypeError(f"prompt token ids must be integers: {error}") from None
-
-
-class _Pending:
-    """A launched step: ``tokens (R,)`` on the device, sampled for ``seqs`` at token ``indices``."""
-
-    def __init__(self, seqs: list[Sequence], indices: list[int], tokens: torch.Tensor) -> None:
-        self.seqs, self.indices, self.tokens = seqs, indices, tokens
-        self.read = HostRead(tokens)
-        # (R,) on the device when the step decoded exactly these rows: their positions in it (the next step's minus 1)
-        self.positions: torch.Tensor | None = None
-
-    @functools.cached_property
-    def row_of(self) -> dict[int, int]:
-        """``id(seq)`` -> its row in ``tokens``."""
-        return {id(s): r for r, s in enumerate(self.seqs)}
-
-    def values(self) -> list[int]:
-        return self.read.values()
 
 
 class Engine(ServingMixin, RankZeroMixin):
@@ -132,7 +111,8 @@ class Engine(ServingMixin, RankZeroMixin):
         self._stopping = False
         self._loop_error: BaseException | None = None
         self._warmed = False
-        self._pending: _Pending | None = None  # the last launched step, whose tokens the host has not seen yet
+        # the last launched step (or greedy block), whose tokens the host has not seen yet
+        self._pending: PendingStep | RingBlock | None = None
         self.speculation = EngineSpeculation(self)
         self.scheduler.on_release = self.speculation.release
         self.ring = EngineRing(self)
@@ -236,9 +216,9 @@ class Engine(ServingMixin, RankZeroMixin):
         sequence that stops at step ``n`` has one extra token computed in step ``n + 1``, then dropped.
 
         While every running request decodes greedily and nothing waits (:mod:`.engine_ring`), one call instead
-        resolves the step in flight and runs a block of up to ``EngineConfig.greedy_ring`` decode steps, so it may
-        advance each sequence by several tokens (a row that stops mid-block keeps its tokens up to the stop); a request
-        added or aborted meanwhile is seen by the next call.
+        launches a block of up to ``EngineConfig.greedy_ring`` decode steps and then resolves the step or block in
+        flight, so it may advance each sequence by several tokens (a row that stops mid-block keeps its tokens up to
+        the stop); a request added or aborted meanwhile is seen by the next call.
         """
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise RuntimeError("the engine's background loop is running: submit requests instead of calling step()")
@@ -248,8 +228,8 @@ class Engine(ServingMixin, RankZeroMixin):
     def _step(self) -> list[RequestOutput]:
         finished: list[RequestOutput] = []
         self._take_inbox(finished)
-        if self.ring.size():  # the running batch decodes greedily: a block of steps, its tokens read at the end
-            if self._pending is not None:
+        if self.ring.size():  # the running batch decodes greedily: a block of steps, launched before the last is read
+            if self._pending is not None and not self.ring.continues(self._pending):
                 self._resolve(finished)
             if self.ring.run(finished):
                 return finished
@@ -274,7 +254,7 @@ class Engine(ServingMixin, RankZeroMixin):
         self._pending = launched
         return finished
 
-    def _launch(self, plan: StepPlan) -> _Pending | None:
+    def _launch(self, plan: StepPlan) -> PendingStep | None:
         """Run ``plan`` and sample on the device; each sampled sequence gets a placeholder token until resolved."""
         logits, rows, ctx = self._execute(plan)
         self._advance(plan)
@@ -292,7 +272,7 @@ class Engine(ServingMixin, RankZeroMixin):
                 seq.register_full_blocks(self.blocks)
         self.metrics.on_step(plan)
 
-    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> _Pending | None:
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingStep | None:
         """Sample the next token of ``seqs`` (their last tokens' ``logits (R, V)``) on the device, forking requests
         with ``n > 1`` first; each gets a placeholder token until resolved."""
         if not seqs:  # only prompt chunks that end mid-prompt: nothing to sample
@@ -309,14 +289,17 @@ class Engine(ServingMixin, RankZeroMixin):
         for seq in seqs:
             ids = seq.tokens
             indices.append(len(ids))
-            ids.append(_PLACEHOLDER)
+            ids.append(PLACEHOLDER)
             if len(ids) - seq.prompt_len >= seq.request.params.max_new_tokens or len(ids) >= longest:
                 self.scheduler.retire(seq)  # done whatever the token is: schedule nothing more for it
-        return _Pending(seqs, indices, tokens)
+        return PendingStep(seqs, indices, tokens)
 
     def _resolve(self, finished: list[RequestOutput]) -> None:
         """Wait for the pending step's tokens, put them in place, check stop conditions, stream."""
         pending, self._pending = self._pending, None
+        if isinstance(pending, RingBlock):
+            self.ring.resolve(pending, finished)
+            return
         values = pending.values()
         now, count, P = time.perf_counter(), 0, self.block_size
         for seq, index, token in zip(pending.seqs, pending.indices, values):
@@ -360,7 +343,7 @@ class Engine(ServingMixin, RankZeroMixin):
             return
         dst, src = [], []
         for seq, n, start in zip(plan.seqs, plan.num_new, ctx.row_starts):
-            if n == 1 and seq.tokens[-1] == _PLACEHOLDER and id(seq) in self._pending.row_of:
+            if n == 1 and seq.tokens[-1] == PLACEHOLDER and id(seq) in self._pending.row_of:
                 dst.append(start)
                 src.append(self._pending.row_of[id(seq)])
         if not dst:

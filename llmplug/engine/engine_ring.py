@@ -9,7 +9,9 @@ tokens every row may still generate (``max_new_tokens``, ``max_model_len``) and 
 replay of the runner's greedy graph (:meth:`~llmplug.engine.runner.ModelRunner.greedy_graph`: the step, the argmax and
 the token fed back, on the device); elsewhere the same steps run eagerly with
 :func:`~llmplug.ops.greedy_step.greedy_step` between them. Either way the host reads the block's ``(rows, n)`` tokens
-once.
+once, and only after the next block is launched: while the rows stay the same, a block starts from the last one's
+tokens on the device (:class:`RingBlock` is the engine's step in flight, as a plain step is), so the GPU does not idle
+on the read. A row that stops in a block thus has the next block computed for it too, then dropped.
 
 Stop tokens are checked on the host, token by token in order, after the block: rows have different stop sets, so the
 device stops nothing (its check takes one set for all rows). A row that stops mid-block keeps its tokens up to the stop
@@ -25,6 +27,7 @@ import time
 import torch
 
 from ..ops.greedy_step import greedy_step
+from .pending import PLACEHOLDER, PendingStep
 from .request import RequestOutput, Sequence, Status
 from .step import build_step, to_device
 
@@ -34,6 +37,28 @@ def _plain_greedy(seq: Sequence) -> bool:
     p = seq.request.params
     return (seq.num_tokens - seq.num_computed == 1 and p.greedy and not p.penalised and not p.stop
             and seq.num_output >= p.min_new_tokens and len(seq.request.seqs) == p.n)
+
+
+class RingBlock(PendingStep):
+    """A launched block of ``n`` greedy decode steps of ``seqs``, whose tokens the host has not seen yet: row ``i``'s
+    ``n`` placeholders start at its token ``indices[i]``. ``tokens (R,)`` holds each row's last token and
+    ``next_positions (R,)`` its position, on the device: the next block's inputs, or a plain step's (which reads the
+    rows' positions from the host: ``positions`` is None).
+
+    Args:
+        ring: ``(R, >= n)`` int64, row ``i``'s tokens in its first ``n`` columns; copied to the host now (queued).
+        tokens, next_positions: ``(R,)`` int64 on the device, copied now (the buffers they come from move on).
+    """
+
+    def __init__(self, seqs: list[Sequence], n: int, ring: torch.Tensor, tokens: torch.Tensor,
+                 next_positions: torch.Tensor) -> None:
+        super().__init__(seqs, [s.num_tokens for s in seqs], ring)
+        self.n = n
+        self.tokens, self.next_positions = tokens.clone(), next_positions.clone()
+
+    def values(self) -> list[list[int]]:
+        """Each row's ``n`` tokens."""
+        return [row[:self.n] for row in self.read.values()]
 
 
 class EngineRing:
@@ -60,9 +85,14 @@ class EngineRing:
             n = min(n, seq.request.params.max_new_tokens - seq.num_output, longest - seq.num_tokens)
         return n if n >= 2 else 0
 
+    def continues(self, pending: PendingStep) -> bool:
+        """Whether the next block may start from ``pending`` unread: a block of exactly the running rows, in order."""
+        return isinstance(pending, RingBlock) and pending.seqs == self.engine.scheduler.running
+
     def run(self, finished: list[RequestOutput]) -> bool:
-        """Run one block if the running batch qualifies (the engine resolved its step in flight first); False when it
-        does not, or when the free pages do not hold two more tokens of every row (nothing changed then)."""
+        """Launch one block if the running batch qualifies, then read the block before it, if one is in flight (the
+        engine resolved any other step first); False when the batch does not qualify, or when the free pages do not
+        hold two more tokens of every row (nothing changed then)."""
         engine = self.engine
         n = self.size()
         seqs = list(engine.scheduler.running)
@@ -71,17 +101,27 @@ class EngineRing:
         if not n:
             return False
         engine.metrics.on_ring(n, engine.blocks)
+        previous, engine._pending = engine._pending, None
         try:
-            values = self._decode(seqs, n)
+            engine._pending = self._launch(seqs, n, previous)
         except Exception as error:  # a failed block fails its requests; the engine keeps serving the others
             engine.blocks.reset_cache()
             for seq in seqs:
                 engine._fail(seq.request, error, finished)
             return True
-        now = time.perf_counter()
-        for seq, row in zip(seqs, values):
-            start = seq.num_tokens
-            seq.tokens.extend(row)
+        if previous is not None:
+            self.resolve(previous, finished)
+        return True
+
+    def resolve(self, block: RingBlock, finished: list[RequestOutput]) -> None:
+        """Wait for ``block``'s tokens, put them in place and check each row's stops, token by token."""
+        engine = self.engine
+        values = block.values()
+        now, n = time.perf_counter(), block.n
+        for seq, start, row in zip(block.seqs, block.indices, values):
+            if seq.status is Status.FINISHED:  # stopped in an earlier block, or aborted: these tokens are dropped
+                continue
+            seq.tokens[start:start + n] = row
             if not seq.request.stream and seq.request.stop_ids.isdisjoint(row[:-1]):
                 # no token before the last can end the row (n is within its length limits): all at once
                 seq.resolved = start + n - 1
@@ -95,15 +135,20 @@ class EngineRing:
                 engine._check_stop(seq, token, now, finished)
                 if seq.status is Status.FINISHED:  # tokens after the stop are dropped (_finish cut them)
                     break
-        return True
 
-    def _decode(self, seqs: list[Sequence], n: int) -> list[list[int]]:
-        """``n`` greedy decode steps of ``seqs`` (their pages reserved) -> each row's ``n`` tokens, read once; every
-        row's ``num_computed`` advances by ``n``."""
-        runner = self.engine.runner
+    def _launch(self, seqs: list[Sequence], n: int, previous: RingBlock | None) -> RingBlock:
+        """``n`` greedy decode steps of ``seqs`` (their pages reserved), from their known last tokens or from
+        ``previous``'s on the device -> the block in flight; each row gets ``n`` placeholders and its ``num_computed``
+        advances by ``n``; a row that reaches its length limit is retired (nothing more is scheduled for it)."""
+        engine = self.engine
+        runner = engine.runner
         dev, rows = runner.device, len(seqs)
-        tables = self.engine.page_table.rows([s.blocks for s in seqs])
-        ids, positions = to_device(torch.tensor([[s.tokens[-1] for s in seqs], [s.num_computed for s in seqs]]), dev)
+        tables = engine.page_table.rows([s.blocks for s in seqs])
+        if previous is not None:
+            ids, positions = previous.tokens, previous.next_positions
+        else:
+            ids, positions = to_device(torch.tensor([[s.tokens[-1] for s in seqs], [s.num_computed for s in seqs]]),
+                                       dev)
         graph_buf = runner.greedy_graph(rows)
         if graph_buf is not None:
             graph, buf = graph_buf
@@ -113,16 +158,24 @@ class EngineRing:
                 graph.replay()
             for seq in seqs:
                 seq.num_computed += n
-            return buf["ring"][:rows, :n].tolist()
-        ring = torch.zeros((rows, n), dtype=torch.long, device=dev)
-        unfinished = torch.ones(rows, dtype=torch.bool, device=dev)
-        no_eos = torch.full((1,), -1, dtype=torch.long, device=dev)
-        pad = torch.zeros(1, dtype=torch.long, device=dev)
-        counters = torch.zeros(2, dtype=torch.long, device=dev)
-        for _ in range(n):
-            ctx = build_step(seqs, [1] * rows, self.engine.block_size, dev, input_ids=ids, block_tables=tables)
-            logits = runner.step(ctx)
-            greedy_step(logits, unfinished, no_eos, pad, ring, ids, positions, counters)
-            for seq in seqs:
-                seq.num_computed += 1
-        return ring.tolist()
+            block = RingBlock(seqs, n, buf["ring"][:rows], buf["input_ids"][:rows], buf["positions"][:rows])
+        else:
+            ids, positions = ids.clone(), positions.clone()  # advanced in place below
+            ring = torch.zeros((rows, n), dtype=torch.long, device=dev)
+            unfinished = torch.ones(rows, dtype=torch.bool, device=dev)
+            no_eos = torch.full((1,), -1, dtype=torch.long, device=dev)
+            pad = torch.zeros(1, dtype=torch.long, device=dev)
+            counters = torch.zeros(2, dtype=torch.long, device=dev)
+            for _ in range(n):
+                ctx = build_step(seqs, [1] * rows, engine.block_size, dev, input_ids=ids, block_tables=tables)
+                logits = runner.step(ctx)
+                greedy_step(logits, unfinished, no_eos, pad, ring, ids, positions, counters)
+                for seq in seqs:
+                    seq.num_computed += 1
+            block = RingBlock(seqs, n, ring, ids, positions)
+        longest = runner.max_model_len
+        for seq in seqs:
+            seq.tokens.extend([PLACEHOLDER] * n)
+            if seq.num_output >= seq.request.params.max_new_tokens or seq.num_tokens >= longest:
+                engine.scheduler.retire(seq)  # done whatever the tokens are: schedule nothing more for it
+        return block

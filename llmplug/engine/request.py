@@ -101,9 +101,10 @@ class Sequence:
         return min(self.num_computed, self.resolved) >= (len(self.entry_ids) + 1) * block_size
 
     def register_full_blocks(self, blocks: BlockManager) -> None:
-        """Cache every block that is computed, full, and whose tokens the host knows (never an unverified token)."""
+        """Cache every block that is computed, full, and whose tokens the host knows (never an unverified token).
+        A swapped-out sequence holds no blocks: its full ones are cached once it is back."""
         P = blocks.block_size
-        for j in range(len(self.entry_ids), min(self.num_computed, self.resolved) // P):
+        for j in range(len(self.entry_ids), min(min(self.num_computed, self.resolved) // P, len(self.blocks))):
             parent = self.entry_ids[-1] if self.entry_ids else ROOT
             self.entry_ids.append(blocks.register(self.blocks[j], parent, self.tokens[j * P:(j + 1) * P]))
 

@@ -67,6 +67,35 @@ def test_greedy_equals_solo_runs(ring):
     assert_all_blocks_back(engine)
 
 
+def test_next_block_launches_before_the_last_is_read():
+    """While the rows stay the same, block k + 1 starts from block k's tokens on the device and block k is read only
+    after it is launched (the GPU never waits for the host's read); the outputs still equal solo runs."""
+    stock, engine = _ring_engine(greedy_ring=5)
+    events, launch, resolve = [], engine.ring._launch, engine.ring.resolve
+
+    def spy_launch(seqs, n, previous):
+        block = launch(seqs, n, previous)
+        events.append(("launch", id(block), id(previous) if previous is not None else None))
+        return block
+
+    def spy_resolve(block, finished):
+        events.append(("read", id(block), None))
+        resolve(block, finished)
+
+    engine.ring._launch, engine.ring.resolve = spy_launch, spy_resolve
+    outs = engine.generate(ROWS[:2], [greedy(31), greedy(31)], progress=False)
+    for row, out in zip(ROWS[:2], outs):
+        assert out.outputs[0].token_ids == hf_greedy(stock, row, 31)
+    launches = [e for e in events if e[0] == "launch"]
+    assert len(launches) == 6  # 30 tokens after the prefill's, 5 a block
+    chained = [e for e in launches if e[2] is not None]
+    assert len(chained) == 5  # every block after the first continues from the one before it
+    for _, block, previous in chained:
+        assert events.index(("read", previous, None)) > events.index(("launch", block, previous))
+    assert engine.stats()["ring_steps"] == 30
+    assert_all_blocks_back(engine)
+
+
 def test_stop_ids_and_eos_stop_rows_mid_block():
     """Per-row stop sets: eos (the engine's) and stop_token_ids hit mid-block; an ignore_eos row runs through them."""
     stock = make_model("llama")

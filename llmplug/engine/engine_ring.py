@@ -29,6 +29,7 @@ import torch
 from ..ops.greedy_step import greedy_step
 from .pending import PLACEHOLDER, PendingStep
 from .request import RequestOutput, Sequence, Status
+from .scheduler import longest_first
 from .step import build_step, to_device
 
 
@@ -86,8 +87,10 @@ class EngineRing:
         return n if n >= 2 else 0
 
     def continues(self, pending: PendingStep) -> bool:
-        """Whether the next block may start from ``pending`` unread: a block of exactly the running rows, in order."""
-        return isinstance(pending, RingBlock) and pending.seqs == self.engine.scheduler.running
+        """Whether the next block may start from ``pending`` unread: a block of exactly the running rows."""
+        running = self.engine.scheduler.running
+        return (isinstance(pending, RingBlock) and len(pending.seqs) == len(running)
+                and all(s.status is Status.RUNNING for s in pending.seqs))
 
     def run(self, finished: list[RequestOutput]) -> bool:
         """Launch one block if the running batch qualifies, then read the block before it, if one is in flight (the
@@ -95,13 +98,16 @@ class EngineRing:
         hold two more tokens of every row (nothing changed then)."""
         engine = self.engine
         n = self.size()
-        seqs = list(engine.scheduler.running)
+        previous = engine._pending  # None, or a block of these rows (the engine resolved anything else)
+        # rows keep the previous block's order; they all advance alike, so it stays longest context first (the decode
+        # attention kernel starts its programs in row order, see the scheduler)
+        seqs = previous.seqs if previous is not None else longest_first(engine.scheduler.running)
         if n:
             n = engine.scheduler.reserve(seqs, n, least=2)
         if not n:
             return False
         engine.metrics.on_ring(n, engine.blocks)
-        previous, engine._pending = engine._pending, None
+        engine._pending = None
         try:
             engine._pending = self._launch(seqs, n, previous)
         except Exception as error:  # a failed block fails its requests; the engine keeps serving the others

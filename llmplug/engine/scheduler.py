@@ -40,7 +40,9 @@ class StepPlan:
         return sum(self.num_new)
 
 
-_CONTEXT = operator.attrgetter("num_computed")
+def longest_first(seqs: list[Sequence]) -> list[Sequence]:
+    """Decode rows in the order a step runs them: longest context first (ties keep their order)."""
+    return sorted(seqs, key=operator.attrgetter("num_computed"), reverse=True)
 
 
 def _seats(seq: Sequence) -> int:
@@ -129,7 +131,7 @@ class Scheduler:
                 plan.num_new.append(n)
                 budget -= n
         decoding = next((i for i, n in enumerate(plan.num_new) if n != 1), len(plan.num_new))
-        plan.seqs[:decoding] = sorted(plan.seqs[:decoding], key=_CONTEXT, reverse=True)  # ties: policy order
+        plan.seqs[:decoding] = longest_first(plan.seqs[:decoding])  # ties: policy order
         if not plan.preempted and self.swapped:
             budget = self._swap_in(plan, budget)
         if not plan.preempted and not self.swapped and self.waiting:

@@ -143,15 +143,13 @@ def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, 
         small = to_device(torch.tensor(firsts + ids, dtype=torch.long), device)
         return StepContext(input_ids if input_ids is not None else small[rows:], tables, uniform, small[:rows], None,
                            last, starts[:-1])
-    lens = torch.tensor(num_new, dtype=torch.long)
-    cu = torch.tensor(starts, dtype=torch.long)
-    first = torch.tensor(firsts, dtype=torch.long)
-    row = torch.repeat_interleave(torch.arange(rows), lens)
-    positions = torch.arange(starts[-1]) - cu[:-1][row] + first[row]
-    host_ids = torch.tensor(ids, dtype=torch.long) if input_ids is None else torch.zeros_like(positions)
-    host_ids, positions, row = to_device(torch.stack([host_ids, positions, row]), device)
-    small = to_device(torch.cat([cu, first]), device)
-    cu_dev, first_dev = small[:rows + 1], small[rows + 1:]
+    total = starts[-1]
+    host = to_device(torch.tensor(starts + firsts + num_new + ids, dtype=torch.long), device)  # one copy
+    cu_dev, first_dev, lens = host[:rows + 1], host[rows + 1:2 * rows + 1], host[2 * rows + 1:3 * rows + 1]
+    # NOTE: each token's row and position are made on the device: the CPU's index ops fan out to the intra-op thread
+    # pool, 5-20 ms a 4,096-token step on the H200 host (BENCHMARKS.md, "(a)'s prefill steps: the CPU's thread pool")
+    row = torch.repeat_interleave(torch.arange(rows, device=device), lens, output_size=total)
+    positions = torch.arange(total, device=device) - cu_dev[row] + first_dev[row]
     slots = tables[row, positions // block_size].long() * block_size + positions % block_size
     nd = next((i for i, n in enumerate(num_new) if n != 1), rows)  # leading one-token rows: the decode kernel's
     context = first_dev.to(torch.int32)
@@ -159,4 +157,5 @@ def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, 
                              context_lens=context, max_seqlen_q=max(num_new[nd:], default=1), num_decodes=nd,
                              seq_lens=context[:nd] + 1)
     keep = picked if picked is not None else None if all_logits else cu_dev[1:] - 1
-    return StepContext(input_ids if input_ids is not None else host_ids, tables, 0, positions, meta, keep, starts[:-1])
+    return StepContext(input_ids if input_ids is not None else host[3 * rows + 1:], tables, 0, positions, meta, keep,
+                       starts[:-1])

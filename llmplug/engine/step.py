@@ -146,8 +146,8 @@ def build_step(seqs, num_new: list[int], block_size: int, device: torch.device, 
     total = starts[-1]
     host = to_device(torch.tensor(starts + firsts + num_new + ids, dtype=torch.long), device)  # one copy
     cu_dev, first_dev, lens = host[:rows + 1], host[rows + 1:2 * rows + 1], host[2 * rows + 1:3 * rows + 1]
-    # NOTE: each token's row and position are made on the device: the CPU's index ops fan out to the intra-op thread
-    # pool, 5-20 ms a 4,096-token step on the H200 host (BENCHMARKS.md, "(a)'s prefill steps: the CPU's thread pool")
+    # NOTE: each token's row and position are made on the device: CPU index ops took 5-22 ms a 4,096-token step on
+    # the H200 host (BENCHMARKS.md, "(a)'s prefill steps on the CPU's thread pool")
     row = torch.repeat_interleave(torch.arange(rows, device=device), lens, output_size=total)
     positions = torch.arange(total, device=device) - cu_dev[row] + first_dev[row]
     slots = tables[row, positions // block_size].long() * block_size + positions % block_size

@@ -206,8 +206,8 @@ class EngineConfig:
             nothing else waits, one step runs a block of up to this many decode steps and the host reads their tokens
             once (CUDA graph replays with the token chosen on the device, the next block launched before the last is
             read); 0 or 1 (the default): one decode step a call. At most 16. Off by default: the one-step-ahead
-            pipeline already hides the host's work where the GPU step is the longer one (H200, 1B: (b) +0.5-1%, (a)
-            within its noise; the 8B not measured since blocks stopped idling the GPU on their read; BENCHMARKS.md);
+            pipeline already hides the host's work where the GPU step is the longer one (H200, 1B: (b) 0.2-1.0% faster,
+            (a) within its noise; the 8B not measured since blocks stopped idling the GPU on their read; BENCHMARKS.md);
             it pays where the host is slower than the model (tiny models, CPU).
     """
 

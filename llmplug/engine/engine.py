@@ -285,14 +285,20 @@ class Engine(ServingMixin, RankZeroMixin):
         tokens = sample(logits, seqs)
         if self.runner.tp is not None and not all(s.request.params.greedy for s in seqs):
             self.runner.tp.broadcast(tokens)  # rank 0's draws everywhere (greedy picks agree by themselves)
-        indices, longest = [], self.runner.max_model_len
+        return PendingStep(seqs, self._hold_places(seqs), tokens)
+
+    def _hold_places(self, seqs: list[Sequence], n: int = 1) -> list[int]:
+        """Give each of ``seqs`` ``n`` placeholder tokens (what a launched step will produce) -> the index of each
+        one's first; a sequence that reaches its length limit with them is retired (nothing more is scheduled for
+        it, whatever the tokens are)."""
+        indices, longest, places = [], self.runner.max_model_len, [PLACEHOLDER] * n
         for seq in seqs:
             ids = seq.tokens
             indices.append(len(ids))
-            ids.append(PLACEHOLDER)
+            ids += places
             if len(ids) - seq.prompt_len >= seq.request.params.max_new_tokens or len(ids) >= longest:
-                self.scheduler.retire(seq)  # done whatever the token is: schedule nothing more for it
-        return PendingStep(seqs, indices, tokens)
+                self.scheduler.retire(seq)
+        return indices
 
     def _resolve(self, finished: list[RequestOutput]) -> None:
         """Wait for the pending step's tokens, put them in place, check stop conditions, stream."""

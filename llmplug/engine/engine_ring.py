@@ -27,7 +27,7 @@ import time
 import torch
 
 from ..ops.greedy_step import greedy_step
-from .pending import PLACEHOLDER, PendingStep
+from .pending import PendingStep
 from .request import RequestOutput, Sequence, Status
 from .scheduler import longest_first
 from .step import build_step, to_device
@@ -51,9 +51,9 @@ class RingBlock(PendingStep):
         tokens, next_positions: ``(R,)`` int64 on the device, copied now (the buffers they come from move on).
     """
 
-    def __init__(self, seqs: list[Sequence], n: int, ring: torch.Tensor, tokens: torch.Tensor,
+    def __init__(self, seqs: list[Sequence], indices: list[int], n: int, ring: torch.Tensor, tokens: torch.Tensor,
                  next_positions: torch.Tensor) -> None:
-        super().__init__(seqs, [s.num_tokens for s in seqs], ring)
+        super().__init__(seqs, indices, ring)
         self.n = n
         self.tokens, self.next_positions = tokens.clone(), next_positions.clone()
 
@@ -164,9 +164,8 @@ class EngineRing:
                 graph.replay()
             for seq in seqs:
                 seq.num_computed += n
-            block = RingBlock(seqs, n, buf["ring"][:rows], buf["input_ids"][:rows], buf["positions"][:rows])
-        else:
-            ids, positions = ids.clone(), positions.clone()  # advanced in place below
+            ring, ids, positions = buf["ring"][:rows], buf["input_ids"][:rows], buf["positions"][:rows]
+        else:  # ids and positions advance in place (a previous block's are its own copies, unread after this)
             ring = torch.zeros((rows, n), dtype=torch.long, device=dev)
             unfinished = torch.ones(rows, dtype=torch.bool, device=dev)
             no_eos = torch.full((1,), -1, dtype=torch.long, device=dev)
@@ -178,10 +177,4 @@ class EngineRing:
                 greedy_step(logits, unfinished, no_eos, pad, ring, ids, positions, counters)
                 for seq in seqs:
                     seq.num_computed += 1
-            block = RingBlock(seqs, n, ring, ids, positions)
-        longest = runner.max_model_len
-        for seq in seqs:
-            seq.tokens.extend([PLACEHOLDER] * n)
-            if seq.num_output >= seq.request.params.max_new_tokens or seq.num_tokens >= longest:
-                engine.scheduler.retire(seq)  # done whatever the tokens are: schedule nothing more for it
-        return block
+        return RingBlock(seqs, engine._hold_places(seqs, n), n, ring, ids, positions)

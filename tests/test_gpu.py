@@ -300,7 +300,7 @@ def test_greedy_step_cuda(rows, vocab, dtype):
     state = [torch.rand(rows, device="cuda") < 0.8, torch.tensor([5, vocab // 3, -1, -1], device="cuda"),
              torch.tensor([0], device="cuda"), torch.zeros(rows, 16, dtype=torch.long, device="cuda"),
              torch.zeros(rows, dtype=torch.long, device="cuda"), torch.arange(rows, device="cuda") - 1,
-             torch.tensor([21, 4], device="cuda")]
+             torch.randint(0, 4, (rows,), device="cuda"), torch.tensor([21, 4], device="cuda")]
     want = [t.clone() for t in state]
     greedy_step_ref(logits, *want)
     greedy_step(logits, *state)

@@ -287,15 +287,15 @@ class Engine(ServingMixin, RankZeroMixin):
             self.runner.tp.broadcast(tokens)  # rank 0's draws everywhere (greedy picks agree by themselves)
         return PendingStep(seqs, self._hold_places(seqs), tokens)
 
-    def _hold_places(self, seqs: list[Sequence], n: int = 1) -> list[int]:
-        """Give each of ``seqs`` ``n`` placeholder tokens (what a launched step will produce) -> the index of each
-        one's first; a sequence that reaches its length limit with them is retired (nothing more is scheduled for
-        it, whatever the tokens are)."""
-        indices, longest, places = [], self.runner.max_model_len, [PLACEHOLDER] * n
-        for seq in seqs:
+    def _hold_places(self, seqs: list[Sequence], counts: list[int] | None = None) -> list[int]:
+        """Give each of ``seqs`` ``counts[i]`` placeholder tokens (one each when None: what a launched step will
+        produce) -> the index of each one's first; a sequence that reaches its length limit with them is retired
+        (nothing more is scheduled for it, whatever the tokens are)."""
+        indices, longest = [], self.runner.max_model_len
+        for seq, n in zip(seqs, counts or itertools.repeat(1)):
             ids = seq.tokens
             indices.append(len(ids))
-            ids += places
+            ids += [PLACEHOLDER] * n
             if len(ids) - seq.prompt_len >= seq.request.params.max_new_tokens or len(ids) >= longest:
                 self.scheduler.retire(seq)
         return indices

@@ -4,14 +4,17 @@ steps and the host reads their tokens once.
 A block qualifies when nothing else could run or change: nothing waiting, swapped or just submitted, no speculating
 request, and every running sequence is a one-token decode of a greedy request without penalties, stop strings or an
 unmet ``min_new_tokens`` (its samples forked already). It runs ``n`` steps: at most ``EngineConfig.greedy_ring``, the
-tokens every row may still generate (``max_new_tokens``, ``max_model_len``) and what the free pages hold for all rows
-(reserved up front, never by preempting anyone); below two steps the engine steps as usual. On CUDA each step is one
+most tokens any row may still generate (``max_new_tokens``, ``max_model_len``) and what the free pages hold for all
+rows (reserved up front, never by preempting anyone); below two steps the engine steps as usual. A row with fewer
+tokens left computes only those: the device sets its position to -1 when it reaches its length (a padding row from
+then on: it stores and attends nothing), and the host retires it at launch. On CUDA each step is one
 replay of the runner's greedy graph (:meth:`~llmplug.engine.runner.ModelRunner.greedy_graph`: the step, the argmax and
 the token fed back, on the device); elsewhere the same steps run eagerly with
 :func:`~llmplug.ops.greedy_step.greedy_step` between them. Either way the host reads the block's ``(rows, n)`` tokens
-once, and only after the next block is launched: while the rows stay the same, a block starts from the last one's
-tokens on the device (:class:`RingBlock` is the engine's step in flight, as a plain step is), so the GPU does not idle
-on the read. A row that stops in a block thus has the next block computed for it too, then dropped.
+once, and only after the next block is launched: while no other row joins, a block starts from the last one's tokens
+on the device (:class:`RingBlock` is the engine's step in flight, as a plain step is; rows retired meanwhile drop out),
+so the GPU does not idle on the read. A row that stops on a token in a block thus has the next block computed for it
+too, then dropped.
 
 Stop tokens are checked on the host, token by token in order, after the block: rows have different stop sets, so the
 device stops nothing (its check takes one set for all rows). A row that stops mid-block keeps its tokens up to the stop
@@ -40,26 +43,31 @@ def _plain_greedy(seq: Sequence) -> bool:
             and seq.num_output >= p.min_new_tokens and len(seq.request.seqs) == p.n)
 
 
+def _room(seq: Sequence, longest: int) -> int:
+    """Tokens ``seq`` may still generate (``max_new_tokens``; ``longest``: the model's length limit)."""
+    return min(seq.request.params.max_new_tokens - seq.num_output, longest - seq.num_tokens)
+
+
 class RingBlock(PendingStep):
-    """A launched block of ``n`` greedy decode steps of ``seqs``, whose tokens the host has not seen yet: row ``i``'s
-    ``n`` placeholders start at its token ``indices[i]``. ``tokens (R,)`` holds each row's last token and
-    ``next_positions (R,)`` its position, on the device: the next block's inputs, or a plain step's (which reads the
-    rows' positions from the host: ``positions`` is None).
+    """A launched block of up to ``n`` greedy decode steps of ``seqs``, whose tokens the host has not seen yet: row
+    ``i`` computes ``counts[i]`` of them, its placeholders starting at its token ``indices[i]``. ``tokens (R,)`` holds
+    each row's last token on the device: the next block's input, or a plain step's.
 
     Args:
-        ring: ``(R, >= n)`` int64, row ``i``'s tokens in its first ``n`` columns; copied to the host now (queued).
-        tokens, next_positions: ``(R,)`` int64 on the device, copied now (the buffers they come from move on).
+        ring: ``(R, >= n)`` int64, row ``i``'s tokens in its first ``counts[i]`` columns; copied to the host now
+            (queued).
+        tokens: ``(R,)`` int64 on the device, copied now (the buffer it comes from moves on).
     """
 
-    def __init__(self, seqs: list[Sequence], indices: list[int], n: int, ring: torch.Tensor, tokens: torch.Tensor,
-                 next_positions: torch.Tensor) -> None:
+    def __init__(self, seqs: list[Sequence], indices: list[int], counts: list[int], n: int, ring: torch.Tensor,
+                 tokens: torch.Tensor) -> None:
         super().__init__(seqs, indices, ring)
-        self.n = n
-        self.tokens, self.next_positions = tokens.clone(), next_positions.clone()
+        self.counts, self.n = counts, n
+        self.tokens = tokens.clone()
 
     def values(self) -> list[list[int]]:
-        """Each row's ``n`` tokens."""
-        return [row[:self.n] for row in self.read.values()]
+        """Each row's ``counts[i]`` tokens."""
+        return [row[:c] for row, c in zip(self.read.values(), self.counts)]
 
 
 class EngineRing:
@@ -75,22 +83,21 @@ class EngineRing:
         at one: :meth:`run` looks again)."""
         engine = self.engine
         sched = engine.scheduler
-        n = engine.config.greedy_ring
-        if (n < 2 or not sched.running or sched.waiting or sched.swapped or engine._inbox or engine._aborts
-                or len(sched.running) > engine.config.max_num_batched_tokens or engine.speculation.active()):
+        if (engine.config.greedy_ring < 2 or not sched.running or sched.waiting or sched.swapped or engine._inbox
+                or engine._aborts or len(sched.running) > engine.config.max_num_batched_tokens
+                or engine.speculation.active()):
             return 0
-        longest = engine.runner.max_model_len
+        longest, most = engine.runner.max_model_len, 0
         for seq in sched.running:
             if not _plain_greedy(seq):
                 return 0
-            n = min(n, seq.request.params.max_new_tokens - seq.num_output, longest - seq.num_tokens)
+            most = max(most, _room(seq, longest))
+        n = min(engine.config.greedy_ring, most)
         return n if n >= 2 else 0
 
     def continues(self, pending: PendingStep) -> bool:
-        """Whether the next block may start from ``pending`` unread: a block of exactly the running rows."""
-        running = self.engine.scheduler.running
-        return (isinstance(pending, RingBlock) and len(pending.seqs) == len(running)
-                and all(s.status is Status.RUNNING for s in pending.seqs))
+        """Whether the next block may start from ``pending`` unread: a block whose rows include every running one."""
+        return isinstance(pending, RingBlock) and all(id(s) in pending.row_of for s in self.engine.scheduler.running)
 
     def run(self, finished: list[RequestOutput]) -> bool:
         """Launch one block if the running batch qualifies, then read the block before it, if one is in flight (the
@@ -98,35 +105,40 @@ class EngineRing:
         hold two more tokens of every row (nothing changed then)."""
         engine = self.engine
         n = self.size()
-        previous = engine._pending  # None, or a block of these rows (the engine resolved anything else)
-        # rows keep the previous block's order; they all advance alike, so it stays longest context first (the decode
+        previous = engine._pending  # None, or a block of these rows and those retired since (the engine resolved
+        # anything else); rows keep its order: they all advance alike, so it stays longest context first (the decode
         # attention kernel starts its programs in row order, see the scheduler)
-        seqs = previous.seqs if previous is not None else longest_first(engine.scheduler.running)
+        if previous is not None:
+            running = {id(s) for s in engine.scheduler.running}
+            kept = [r for r, s in enumerate(previous.seqs) if id(s) in running]
+            seqs = [previous.seqs[r] for r in kept]
+        else:
+            kept, seqs = [], longest_first(engine.scheduler.running)
+        rooms = [_room(s, engine.runner.max_model_len) for s in seqs]
         if n:
-            n = engine.scheduler.reserve(seqs, n, least=2)
+            n = engine.scheduler.reserve(seqs, n, least=2, caps=rooms)
         if not n:
             return False
         engine.metrics.on_ring(n, engine.blocks)
         engine._pending = None
         try:
-            engine._pending = self._launch(seqs, n, previous)
+            engine._pending = self._launch(seqs, [min(n, r) for r in rooms], n, previous, kept)
         except Exception as error:  # a failed block fails its requests; the engine keeps serving the others
             engine.blocks.reset_cache()
             for seq in seqs:
                 engine._fail(seq.request, error, finished)
-            return True
-        if previous is not None:
+        if previous is not None:  # its rows retired since, too, finish with it
             self.resolve(previous, finished)
         return True
 
     def resolve(self, block: RingBlock, finished: list[RequestOutput]) -> None:
         """Wait for ``block``'s tokens, put them in place and check each row's stops, token by token."""
         engine = self.engine
-        values = block.values()
-        now, n = time.perf_counter(), block.n
-        for seq, start, row in zip(block.seqs, block.indices, values):
+        now = time.perf_counter()
+        for seq, start, row in zip(block.seqs, block.indices, block.values()):
             if seq.status is Status.FINISHED:  # stopped in an earlier block, or aborted: these tokens are dropped
                 continue
+            n = len(row)
             seq.tokens[start:start + n] = row
             if not seq.request.stream and seq.request.stop_ids.isdisjoint(row[:-1]):
                 # no token before the last can end the row (n is within its length limits): all at once
@@ -142,39 +154,45 @@ class EngineRing:
                 if seq.status is Status.FINISHED:  # tokens after the stop are dropped (_finish cut them)
                     break
 
-    def _launch(self, seqs: list[Sequence], n: int, previous: RingBlock | None) -> RingBlock:
-        """``n`` greedy decode steps of ``seqs`` (their pages reserved), from their known last tokens or from
-        ``previous``'s on the device -> the block in flight; each row gets ``n`` placeholders and its ``num_computed``
-        advances by ``n``; a row that reaches its length limit is retired (nothing more is scheduled for it)."""
+    def _launch(self, seqs: list[Sequence], counts: list[int], n: int, previous: RingBlock | None,
+                kept: list[int]) -> RingBlock:
+        """``n`` greedy decode steps of ``seqs`` (their pages reserved; row ``i`` computes ``counts[i] <= n``), from
+        their known last tokens or from ``previous``'s rows ``kept`` on the device -> the block in flight; each row
+        gets its placeholders and its ``num_computed`` advances by its count; a row that reaches its length limit is
+        retired (nothing more is scheduled for it)."""
         engine = self.engine
         runner = engine.runner
         dev, rows = runner.device, len(seqs)
         tables = engine.page_table.rows([s.blocks for s in seqs])
-        if previous is not None:
-            ids, positions = previous.tokens, previous.next_positions
+        firsts = [s.num_computed for s in seqs]
+        # one copy: positions, the positions where rows stop, and the last tokens (known ones, or previous's rows)
+        host = torch.tensor(firsts + [f + c for f, c in zip(firsts, counts)]
+                            + (kept if previous is not None else [s.tokens[-1] for s in seqs]))
+        host = to_device(host, dev)
+        positions, limits = host[:rows], host[rows:2 * rows]
+        if previous is None:
+            ids = host[2 * rows:]
         else:
-            ids, positions = to_device(torch.tensor([[s.tokens[-1] for s in seqs], [s.num_computed for s in seqs]]),
-                                       dev)
+            ids = previous.tokens if rows == len(previous.seqs) else previous.tokens[host[2 * rows:]]
         graph_buf = runner.greedy_graph(rows)
         if graph_buf is not None:
             graph, buf = graph_buf
-            # no stop on the device: the host checks each row's own stop ids
-            runner.arm_token_loop(buf, ids, positions, tables, True, torch.empty(0, dtype=torch.long), 0)
+            # no stop on the device but lengths: the host checks each row's own stop ids
+            runner.arm_token_loop(buf, ids, positions, tables, True, torch.empty(0, dtype=torch.long), 0, limits)
             for _ in range(n):
                 graph.replay()
-            for seq in seqs:
-                seq.num_computed += n
-            ring, ids, positions = buf["ring"][:rows], buf["input_ids"][:rows], buf["positions"][:rows]
-        else:  # ids and positions advance in place (a previous block's are its own copies, unread after this)
+            ring, ids = buf["ring"][:rows], buf["input_ids"][:rows]
+        else:  # ids and positions advance in place (a previous block's ids are its own copy, unread after this)
             ring = torch.zeros((rows, n), dtype=torch.long, device=dev)
             unfinished = torch.ones(rows, dtype=torch.bool, device=dev)
             no_eos = torch.full((1,), -1, dtype=torch.long, device=dev)
             pad = torch.zeros(1, dtype=torch.long, device=dev)
             counters = torch.zeros(2, dtype=torch.long, device=dev)
             for _ in range(n):
-                ctx = build_step(seqs, [1] * rows, engine.block_size, dev, input_ids=ids, block_tables=tables)
+                ctx = build_step(seqs, [1] * rows, engine.block_size, dev, input_ids=ids, block_tables=tables,
+                                 positions=positions)
                 logits = runner.step(ctx)
-                greedy_step(logits, unfinished, no_eos, pad, ring, ids, positions, counters)
-                for seq in seqs:
-                    seq.num_computed += 1
-        return RingBlock(seqs, engine._hold_places(seqs, n), n, ring, ids, positions)
+                greedy_step(logits, unfinished, no_eos, pad, ring, ids, positions, limits, counters)
+        for seq, c in zip(seqs, counts):
+            seq.num_computed += c
+        return RingBlock(seqs, engine._hold_places(seqs, counts), counts, n, ring, ids)

@@ -205,10 +205,11 @@ class EngineConfig:
         greedy_ring: while every running request decodes greedily (no penalties, stop strings or speculation) and
             nothing else waits, one step runs a block of up to this many decode steps and the host reads their tokens
             once (CUDA graph replays with the token chosen on the device, the next block launched before the last is
-            read); 0 or 1 (the default): one decode step a call. At most 16. Off by default: the one-step-ahead
-            pipeline already hides the host's work where the GPU step is the longer one (H200, 1B: (b) 0.2-1.0% faster,
-            (a) within its noise; the 8B not measured since blocks stopped idling the GPU on their read; BENCHMARKS.md);
-            it pays where the host is slower than the model (tiny models, CPU).
+            read; a row that reaches its length mid-block stops there on the device); 0 or 1 (the default): one decode
+            step a call. At most 16. Off by default: the one-step-ahead pipeline already hides the host's work where
+            the GPU step is the longer one (H200, 1B: (b) 0-1.0% faster, (a) within its noise; the 8B not measured
+            since blocks stopped idling the GPU on their read; BENCHMARKS.md); it pays where the host is slower than
+            the model (tiny models, CPU).
     """
 
     max_num_seqs: int = 256

@@ -18,7 +18,7 @@ import torch
 from ..config import OptimizeConfig
 from ..kv.cache import PagedKVCache, kv_storage_dtype
 from ..ops._triton import programmatic_launch
-from ..ops.greedy_step import advance_step, greedy_step
+from ..ops.greedy_step import NO_LIMIT, advance_step, greedy_step
 from ..parallel.group import TPGroup
 from ..parallel.shard import head_split
 from ..spec.rejection import greedy_accept
@@ -408,8 +408,9 @@ class ModelRunner:
                    eos=torch.full((MAX_EOS,), -1, dtype=torch.long, device=dev),
                    pad=torch.zeros(1, dtype=torch.long, device=dev),
                    ring=torch.zeros(rows, GREEDY_RING, dtype=torch.long, device=dev),
+                   limits=torch.full((rows,), NO_LIMIT, dtype=torch.long, device=dev),
                    counters=torch.zeros(2, dtype=torch.long, device=dev))
-        state = [buf[k] for k in ("unfinished", "eos", "pad", "ring", "input_ids", "positions", "counters")]
+        state = [buf[k] for k in ("unfinished", "eos", "pad", "ring", "input_ids", "positions", "limits", "counters")]
 
         def step():
             logits = self._uniform_forward(buf)
@@ -425,15 +426,20 @@ class ModelRunner:
 
     @staticmethod
     def arm_token_loop(buf: dict[str, torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor,
-                       tables: torch.Tensor, unfinished: torch.Tensor | bool, eos: torch.Tensor, pad: int) -> None:
+                       tables: torch.Tensor, unfinished: torch.Tensor | bool, eos: torch.Tensor, pad: int,
+                       limits: torch.Tensor | None = None) -> None:
         """Load a token-loop graph's buffers (:meth:`greedy_graph`, :meth:`sample_graph`) for ``R`` rows: their input
         ``tokens (R,)``, ``positions (R,)``, page ``tables (R, M)`` and ``unfinished`` flags (``(R,)`` bool, or one
-        value for all), the ``eos`` ids the device stops on (``(E,)``, ``E <= MAX_EOS``), the ``pad`` id and a zeroed
-        step counter; the bucket's other rows are padding (position -1)."""
+        value for all), the ``eos`` ids the device stops on (``(E,)``, ``E <= MAX_EOS``), the ``pad`` id, the
+        positions ``limits (R,)`` at which rows stop computing (None: none do) and a zeroed step counter; the bucket's
+        other rows are padding (position -1)."""
         count = tokens.shape[0]
         buf["input_ids"][:count].copy_(tokens)
         buf["positions"].fill_(-1)
         buf["positions"][:count].copy_(positions)
+        buf["limits"].fill_(NO_LIMIT)
+        if limits is not None:
+            buf["limits"][:count].copy_(limits)
         buf["unfinished"].zero_()
         buf["unfinished"][:count] = unfinished
         buf["eos"].fill_(-1)

@@ -138,17 +138,18 @@ class Scheduler:
             self._admit(plan, budget)
         return plan
 
-    def reserve(self, seqs: list[Sequence], n: int, least: int = 1) -> int:
-        """Pages for ``n`` more tokens of each running sequence in ``seqs`` (copy-on-write of a shared last block
-        included) without preempting anyone: ``n`` shrinks until the free blocks hold every row's. Returns it, or 0
-        (nothing reserved) when even ``least`` tokens do not fit."""
-        while n >= least and sum(self._blocks_needed(s, n) for s in seqs) > self.blocks.num_free:
+    def reserve(self, seqs: list[Sequence], n: int, least: int = 1, caps: list[int] | None = None) -> int:
+        """Pages for ``n`` more tokens of each running sequence in ``seqs`` (``min(n, caps[i])`` of ``seqs[i]`` when
+        given; copy-on-write of a shared last block included) without preempting anyone: ``n`` shrinks until the free
+        blocks hold every row's. Returns it, or 0 (nothing reserved) when even ``least`` tokens do not fit."""
+        caps = caps if caps is not None else [n] * len(seqs)
+        while n >= least and sum(self._blocks_needed(s, min(n, c)) for s, c in zip(seqs, caps)) > self.blocks.num_free:
             n -= 1
         if n < least:
             return 0
-        for seq in seqs:
+        for seq, cap in zip(seqs, caps):
             self._copy_on_write(seq, StepPlan())
-            self._grow(seq, n)
+            self._grow(seq, min(n, cap))
         return n
 
     def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> bool:

@@ -32,16 +32,17 @@ def _references():
 
 
 def _spy_reserve(engine: Engine) -> list[tuple[int, int]]:
-    """Record each ring reservation as (steps asked, steps granted), checking that a block never asks for more tokens
-    than a row may still generate and that a granted one leaves no row writing into a shared page."""
+    """Record each ring reservation as (steps asked, steps granted), checking that a block never reserves a row more
+    tokens than it may still generate and that a granted one leaves no row writing into a shared page."""
     calls, reserve, size = [], engine.scheduler.reserve, engine.block_size
 
-    def spy(seqs, n, least=1):
-        assert n <= min(s.request.params.max_new_tokens - s.num_output for s in seqs)
-        got = reserve(seqs, n, least)
+    def spy(seqs, n, least=1, caps=None):
+        assert n <= max(s.request.params.max_new_tokens - s.num_output for s in seqs)
+        got = reserve(seqs, n, least, caps)
         calls.append((n, got))
-        for seq in seqs if got else ():
-            assert len(seq.blocks) * size >= seq.num_computed + got
+        for seq, cap in zip(seqs, caps) if got else ():
+            assert min(got, cap) <= seq.request.params.max_new_tokens - seq.num_output
+            assert len(seq.blocks) * size >= seq.num_computed + min(got, cap)
             assert not engine.blocks.is_shared(seq.blocks[seq.num_computed // size])
         return got
 
@@ -68,14 +69,16 @@ def test_greedy_equals_solo_runs(ring):
 
 
 def test_next_block_launches_before_the_last_is_read():
-    """While the rows stay the same, block k + 1 starts from block k's tokens on the device and block k is read only
-    after it is launched (the GPU never waits for the host's read); the outputs still equal solo runs."""
+    """While no row joins, block k + 1 starts from block k's tokens on the device and block k is read only after it is
+    launched (the GPU never waits for the host's read), rows that reach their length in a block included: they stop
+    there on the device and drop out of the next block; the outputs still equal solo runs."""
     stock, engine = _ring_engine(greedy_ring=5)
-    events, launch, resolve = [], engine.ring._launch, engine.ring.resolve
+    events, blocks, launch, resolve = [], [], engine.ring._launch, engine.ring.resolve
 
-    def spy_launch(seqs, n, previous):
-        block = launch(seqs, n, previous)
+    def spy_launch(seqs, counts, n, previous, kept):
+        block = launch(seqs, counts, n, previous, kept)
         events.append(("launch", id(block), id(previous) if previous is not None else None))
+        blocks.append(block)  # alive, so no later block takes its id
         return block
 
     def spy_resolve(block, finished):
@@ -83,16 +86,41 @@ def test_next_block_launches_before_the_last_is_read():
         resolve(block, finished)
 
     engine.ring._launch, engine.ring.resolve = spy_launch, spy_resolve
-    outs = engine.generate(ROWS[:2], [greedy(31), greedy(31)], progress=False)
-    for row, out in zip(ROWS[:2], outs):
-        assert out.outputs[0].token_ids == hf_greedy(stock, row, 31)
+    news = [31, 12]
+    outs = engine.generate(ROWS[:2], [greedy(n) for n in news], progress=False)
+    for row, n, out in zip(ROWS[:2], news, outs):
+        assert out.outputs[0].token_ids == hf_greedy(stock, row, n)
     launches = [e for e in events if e[0] == "launch"]
-    assert len(launches) == 6  # 30 tokens after the prefill's, 5 a block
+    # 30 and 11 tokens after the prefill's, 5 a block: the short row (second by context length) computes 1 of the
+    # third block's 5, then drops out
+    assert [b.counts for b in blocks] == [[5, 5], [5, 5], [1, 5], [5], [5], [5]]
     chained = [e for e in launches if e[2] is not None]
     assert len(chained) == 5  # every block after the first continues from the one before it
     for _, block, previous in chained:
         assert events.index(("read", previous, None)) > events.index(("launch", block, previous))
     assert engine.stats()["ring_steps"] == 30
+    assert_all_blocks_back(engine)
+
+
+def test_a_failed_block_finishes_the_rows_retired_before_it():
+    """A block that fails to launch fails its rows' requests; a row of the block before it that reached its length
+    (retired, so not in the failed block) still gets its tokens; the engine serves on."""
+    stock, engine = _ring_engine(greedy_ring=5)
+    launch = engine.ring._launch
+
+    def failing(seqs, counts, n, previous, kept):
+        if previous is not None and len(seqs) < len(previous.seqs):
+            raise RuntimeError("boom")
+        return launch(seqs, counts, n, previous, kept)
+
+    engine.ring._launch = failing
+    outs = engine.generate(ROWS[:2], [greedy(31), greedy(12)], progress=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "boom" in outs[0].error
+    assert outs[0].outputs[0].token_ids == hf_greedy(stock, ROWS[0], 31)[:len(outs[0].outputs[0].token_ids)]
+    assert outs[1].outputs[0].finish_reason == "length"
+    assert outs[1].outputs[0].token_ids == hf_greedy(stock, ROWS[1], 12)
+    engine.ring._launch = launch
+    assert engine.generate([ROWS[2]], greedy(9), progress=False)[0].outputs[0].token_ids == hf_greedy(stock, ROWS[2], 9)
     assert_all_blocks_back(engine)
 
 

@@ -119,19 +119,23 @@ def test_uniform_graph_replay_equals_the_models_forward_cuda(family):
 def test_arm_token_loop_loads_a_buckets_buffers():
     """The token-loop graphs' buffers (generate's ring and the Engine's) loaded for 2 rows of a 4-row bucket: inputs,
     positions, pages and flags in the first rows, padding (position -1, not unfinished) after, eos ids padded with -1,
-    counters zeroed; a single flag value fills every row."""
-    from llmplug.engine.runner import MAX_EOS, ModelRunner
+    counters zeroed; a single flag value fills every row; position limits where given, none elsewhere."""
+    from llmplug.engine.runner import MAX_EOS, NO_LIMIT, ModelRunner
 
     buf = {"input_ids": torch.full((4,), 9), "positions": torch.full((4,), 9), "unfinished": torch.ones(4, dtype=bool),
            "eos": torch.full((MAX_EOS,), 9), "pad": torch.full((1,), 9), "counters": torch.full((2,), 9),
-           "block_tables": torch.full((4, 6), 9, dtype=torch.int32)}
+           "block_tables": torch.full((4, 6), 9, dtype=torch.int32), "limits": torch.full((4,), 9)}
     tables = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)
     ModelRunner.arm_token_loop(buf, torch.tensor([7, 8]), torch.tensor([30, 40]), tables, torch.tensor([True, False]),
                                torch.tensor([2, 5]), 0)
     assert buf["input_ids"][:2].tolist() == [7, 8] and buf["positions"].tolist() == [30, 40, -1, -1]
+    assert buf["limits"].tolist() == [NO_LIMIT] * 4
     assert buf["unfinished"].tolist() == [True, False, False, False] and buf["pad"].tolist() == [0]
     assert buf["eos"].tolist() == [2, 5] + [-1] * (MAX_EOS - 2) and buf["counters"].tolist() == [0, 0]
     assert buf["block_tables"][:2, :3].tolist() == tables.tolist()
     ModelRunner.arm_token_loop(buf, torch.tensor([1, 2, 3]), torch.tensor([0, 0, 0]), tables[[0, 1, 1]], True,
                                torch.empty(0, dtype=torch.long), 2)
     assert buf["unfinished"].tolist() == [True, True, True, False] and buf["eos"].tolist() == [-1] * MAX_EOS
+    ModelRunner.arm_token_loop(buf, torch.tensor([1, 2]), torch.tensor([5, 6]), tables, True,
+                               torch.empty(0, dtype=torch.long), 0, torch.tensor([8, 7]))
+    assert buf["limits"].tolist() == [8, 7, NO_LIMIT, NO_LIMIT]

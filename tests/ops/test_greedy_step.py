@@ -15,6 +15,7 @@ def _state(rows: int, ring: int = 5, eos=(7, 11), pad: int = 0):
         "ring": torch.randint(0, 100, (rows, ring)),
         "input_ids": torch.randint(0, 100, (rows,)),
         "positions": torch.where(torch.rand(rows) < 0.2, -1, torch.randint(0, 50, (rows,))),
+        "limits": torch.where(torch.rand(rows) < 0.3, torch.randint(0, 50, (rows,)), 1 << 62),
         "counters": torch.tensor([7, 3]),
     }
 
@@ -23,7 +24,7 @@ def _run(logits, state, kernel: bool):
     out = {k: v.clone() for k, v in state.items()}
     with cpu_kernels(kernel):
         greedy_step(logits, out["unfinished"], out["eos"], out["pad"], out["ring"], out["input_ids"],
-                    out["positions"], out["counters"])
+                    out["positions"], out["limits"], out["counters"])
     return out
 
 
@@ -48,12 +49,12 @@ def test_reference_semantics():
     state = {"unfinished": torch.tensor([True, True, False, True]), "eos": torch.tensor([3, -1]),
              "pad": torch.tensor([2]), "ring": torch.zeros(4, 3, dtype=torch.long),
              "input_ids": torch.zeros(4, dtype=torch.long), "positions": torch.tensor([4, 9, 6, -1]),
-             "counters": torch.tensor([4, 2])}
+             "limits": torch.tensor([9, 10, 9, 0]), "counters": torch.tensor([4, 2])}
     out = _run(logits, state, False)
     assert out["input_ids"].tolist() == [1, 0, 2, 3]  # first of the tied maxima; a finished row emits pad
     assert out["unfinished"].tolist() == [True, True, False, False]  # row 3 produced eos
     assert out["ring"][:, 4 % 3].tolist() == [1, 0, 2, 3] and out["ring"][:, 0].tolist() == [0] * 4
-    assert out["positions"].tolist() == [5, 10, 7, -1]  # padding rows stay at -1
+    assert out["positions"].tolist() == [5, -1, 7, -1]  # row 1 reached its limit; padding rows stay at -1
     assert out["counters"].tolist() == [5, 5]  # a row was unfinished: this step's tokens count
 
 
@@ -80,17 +81,17 @@ def test_bad_inputs():
     state = _state(2)
     with pytest.raises(ValueError, match="power of two"):
         greedy_step(torch.randn(2, 9), state["unfinished"], torch.tensor([1, 2, 3]), state["pad"], state["ring"],
-                    state["input_ids"], state["positions"], state["counters"])
+                    state["input_ids"], state["positions"], state["limits"], state["counters"])
     with pytest.raises(ValueError, match="positions"):
         greedy_step(torch.randn(2, 9), state["unfinished"], state["eos"], state["pad"], state["ring"],
-                    state["input_ids"], torch.zeros(3, dtype=torch.long), state["counters"])
+                    state["input_ids"], torch.zeros(3, dtype=torch.long), state["limits"], state["counters"])
 
 
 def test_opcheck():
     state = _state(3)
     torch.library.opcheck(torch.ops.llmplug.greedy_step.default,
                           (torch.randn(3, 40), *[state[k] for k in ("unfinished", "eos", "pad", "ring", "input_ids",
-                                                                     "positions", "counters")]))
+                                                                     "positions", "limits", "counters")]))
 
 
 @pytest.mark.parametrize("kernel", [False, True])
@@ -103,7 +104,7 @@ def test_advance_step_takes_given_tokens(kernel):
     out = {k: v.clone() for k, v in state.items()}
     with cpu_kernels(kernel):
         advance_step(tokens, out["unfinished"], out["eos"], out["pad"], out["ring"], out["input_ids"],
-                     out["positions"], out["counters"])
+                     out["positions"], out["limits"], out["counters"])
     assert out["input_ids"].tolist() == [11, 4, 0]  # the finished row emits pad
     assert out["unfinished"].tolist() == [False, True, False]  # 11 is an eos id
     assert out["ring"][:, 7 % 5].tolist() == [11, 4, 0] and out["counters"].tolist() == [8, 8]

@@ -1,9 +1,11 @@
 """Where an Engine run's time goes: wall against GPU busy time (union of kernel intervals) and its idle gaps by size,
 kernel time by kind, and the host time of each runner path (graph replays, packed-step graphs, eager forwards).
 
-Usage: python benchmarks/engine_busy.py [MODEL [SCALE [WORKLOADS]]]   e.g. llama-1b 1.0 a,b,c
+Usage: python benchmarks/engine_busy.py [MODEL [SCALE [WORKLOADS [GREEDY_RING]]]]   e.g. llama-1b 1.0 a,b,c 16
 Each workload runs twice after the throughput benchmark's warm-up: unprofiled (wall, % of floor), then under the
-CUDA profiler. JSON to $OUT (or .).
+CUDA profiler. The profiled run is also split at the end of its last prefill-attention kernel: the prefill phase
+(prompts still arriving in chunks, decodes riding along) and the decode phase, each with its span, busy time, idle
+gaps and kernel time by kind. JSON to $OUT (or .).
 """
 
 import collections
@@ -33,6 +35,26 @@ def kind(name: str) -> str:
     return next((k for k, keys in KINDS if any(key in name for key in keys)), "other")
 
 
+def phases(kernels) -> dict:
+    """The kernels before and after the end of the last prefill-attention kernel: span (first start to last end),
+    busy and idle (:func:`~llmplug.bench.timing.busy_and_gaps`) and kernel seconds by kind, per phase."""
+    prefill = [e.time_range.start + e.device_time for e in kernels if kind(e.name) == "prefill_attn"]
+    split = max(prefill, default=float("-inf"))
+    out = {}
+    for label, part in (("prefill", [e for e in kernels if e.time_range.start < split]),
+                        ("decode", [e for e in kernels if e.time_range.start >= split])):
+        if not part:
+            continue
+        busy, gaps = timing.busy_and_gaps(part)
+        by_kind = collections.Counter()
+        for e in part:
+            by_kind[kind(e.name)] += e.device_time * 1e-6
+        span = (max(e.time_range.start + e.device_time for e in part) - min(e.time_range.start for e in part)) * 1e-6
+        out[label] = {"span_s": span, "busy_s": busy, "gaps": {k: gaps[k] for k in ("all", ">= 0.1 ms", ">= 1 ms")},
+                      "largest_gaps": gaps["largest"], "kernel_s_by_kind": dict(by_kind.most_common())}
+    return out
+
+
 def timed(host, calls, owner, name, label):
     def record(seconds):
         host[label] += seconds
@@ -47,13 +69,14 @@ def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "llama-1b"
     scale = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
     keys = sys.argv[3].split(",") if len(sys.argv) > 3 else ["a", "b", "c"]
+    ring = int(sys.argv[4]) if len(sys.argv) > 4 else llmplug.EngineConfig.greedy_ring
     torch.manual_seed(0)
     model = shapes.build(name, torch.bfloat16, "cuda")
     cost, ceil = ModelCost.of(model), timing.ceilings("cuda")
     llmplug.optimize(model)
     vocab = model.config.vocab_size
     wls = {k: workloads.build(k, vocab, scale) for k in keys}
-    config = llmplug.EngineConfig()
+    config = llmplug.EngineConfig(greedy_ring=ring)
     print(f"warm-up {warm_up(model, config, list(wls.values()), vocab):.1f} s", flush=True)
     host, calls = collections.defaultdict(float), collections.Counter()
     for path in ("_replay_uniform", "_replay_prefill", "_forward"):
@@ -82,12 +105,13 @@ def main() -> None:
         run = {"wall_s": rec["wall_s"], "fraction_of_floor": rec["fraction_of_floor"],
                "floor_s": rec["floor"]["floor_s"], "profiled_wall_s": profiled["wall_s"],
                "gpu_busy_s": busy, "gpu_idle_gaps": gaps,
-               "steps": rec["stats"].get("steps"), "kernel_s_by_kind": dict(by_kind.most_common()),
+               "steps": rec["stats"].get("steps"), "ring_steps": rec["stats"].get("ring_steps"),
+               "phases": phases(kernels), "kernel_s_by_kind": dict(by_kind.most_common()),
                "kernel_s_top": dict(by_name.most_common(12)),
                "host_s_by_path": {p: {"calls": calls[p], "host_s": host[p]} for p in calls}}
         out["runs"][key] = run
         print(key, json.dumps({k: v for k, v in run.items() if k != "kernel_s_top"}, default=str), flush=True)
-    path = Path(os.environ.get("OUT", "."), f"engine_busy_{name}_{scale:g}.json")
+    path = Path(os.environ.get("OUT", "."), f"engine_busy_{name}_{scale:g}_ring{ring}.json")
     path.write_text(json.dumps(out, indent=1, default=str))
 
 

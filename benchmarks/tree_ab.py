@@ -9,9 +9,11 @@ ceilings are measured in each process.
 Usage:
     python benchmarks/tree_ab.py prepare 62c8669 .ab/head
     python benchmarks/tree_ab.py run --trees head=.ab/head new=. --passes 2 -- --model llama-1b --workloads a b c
+    python benchmarks/tree_ab.py run --trees off=. on=.,--greedy-ring=16 -- --model llama-1b --workloads a b
 
-Everything after ``--`` goes to ``llmplug bench throughput`` (``--no-stock`` is added). JSON (every run's file and a
-summary) to ``$OUT`` (or ``.ab/out``).
+Everything after ``--`` goes to ``llmplug bench throughput`` (``--no-stock`` is added), after a tree's own arguments
+(``NAME=FOLDER,ARG,...``: the same tree under two settings). JSON (every run's file and a summary) to ``$OUT`` (or
+``.ab/out``).
 """
 
 import argparse
@@ -35,16 +37,18 @@ def prepare(rev: str, folder: Path) -> None:
     print(f"{rev} -> {folder}")
 
 
-def run(trees: dict[str, Path], passes: int, bench_args: list[str], out: Path) -> list[dict]:
-    """Each tree ``passes`` times, alternating; returns one row per run and workload."""
+def run(trees: dict[str, Path], passes: int, bench_args: list[str], out: Path,
+        tree_args: dict[str, list[str]] | None = None) -> list[dict]:
+    """Each tree ``passes`` times, alternating (with its own ``tree_args[name]`` first); returns one row per run and
+    workload."""
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, tree_args = [], tree_args or {}
     for p in range(passes):
         order = list(trees.items()) if p % 2 == 0 else list(trees.items())[::-1]
         for name, folder in order:
             path = (out / f"tree_ab_{p + 1}_{name}.json").resolve()
-            cmd = [sys.executable, "-m", "llmplug.cli", "bench", "throughput", *bench_args, "--no-stock",
-                   "--out", str(path)]
+            cmd = [sys.executable, "-m", "llmplug.cli", "bench", "throughput", *tree_args.get(name, []), *bench_args,
+                   "--no-stock", "--out", str(path)]
             done = subprocess.run(cmd, cwd=folder, capture_output=True, text=True)
             if done.returncode != 0 or not path.exists():
                 print(f"pass {p + 1} {name}: failed (exit {done.returncode})\n{done.stderr[-2000:]}", flush=True)
@@ -65,24 +69,26 @@ def main() -> None:
     p.add_argument("rev")
     p.add_argument("folder", type=Path)
     r = sub.add_parser("run", help="alternate the trees' throughput runs")
-    r.add_argument("--trees", nargs="+", required=True, help="NAME=FOLDER of each tree ('.' is the working tree)")
+    r.add_argument("--trees", nargs="+", required=True,
+                   help="NAME=FOLDER[,ARG...] of each tree ('.' is the working tree; ARGs go to its runs alone)")
     r.add_argument("--passes", type=int, default=2)
     r.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of llmplug bench throughput")
     args = parser.parse_args()
     if args.what == "prepare":
         prepare(args.rev, args.folder)
         return
-    trees = {}
+    trees, tree_args = {}, {}
     for item in args.trees:
-        name, sep, folder = item.partition("=")
+        name, sep, spec = item.partition("=")
+        folder, *extra = spec.split(",")
         if not sep or not Path(folder, "llmplug").is_dir():
-            raise SystemExit(f"--trees {item!r}: expected NAME=FOLDER with the package in FOLDER/llmplug")
-        trees[name] = Path(folder).resolve()
+            raise SystemExit(f"--trees {item!r}: expected NAME=FOLDER[,ARG...] with the package in FOLDER/llmplug")
+        trees[name], tree_args[name] = Path(folder).resolve(), extra
     bench = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
     out = Path(os.environ.get("OUT", ".ab/out"))
-    rows = run(trees, args.passes, bench, out)
-    (out / "tree_ab.json").write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "bench": bench,
-                                                  "runs": rows}, indent=1))
+    rows = run(trees, args.passes, bench, out, tree_args)
+    (out / "tree_ab.json").write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()},
+                                                  "tree_args": tree_args, "bench": bench, "runs": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -51,5 +51,8 @@ def test_run_alternates_and_reports_failures(tmp_path, monkeypatch):
                for _, c in calls)
     assert [(r["pass"], r["tree"], r["wall_s"]) for r in rows] == [(1, "one", 1.5), (1, "two", 1.5), (2, "two", 1.5),
                                                                    (2, "one", 1.5), (3, "one", 1.5), (3, "two", 1.5)]
+    calls.clear()
+    tree_ab.run(trees, 1, ["--model", "m"], tmp_path / "out", {"two": ["--greedy-ring=16"]})
+    assert [c[5:8] for _, c in calls] == [["--model", "m", "--no-stock"], ["--greedy-ring=16", "--model", "m"]]
     failed = tree_ab.run({"broken": tmp_path / "broken"}, 1, [], tmp_path / "out")
     assert failed == [{"pass": 1, "tree": "broken", "error": "Traceback: no module"}]

@@ -49,20 +49,20 @@ def _room(seq: Sequence, longest: int) -> int:
 
 
 class RingBlock(PendingStep):
-    """A launched block of up to ``n`` greedy decode steps of ``seqs``, whose tokens the host has not seen yet: row
-    ``i`` computes ``counts[i]`` of them, its placeholders starting at its token ``indices[i]``. ``tokens (R,)`` holds
-    each row's last token on the device: the next block's input, or a plain step's.
+    """A launched block of greedy decode steps of ``seqs``, whose tokens the host has not seen yet: row ``i`` computes
+    ``counts[i]`` of them, its placeholders starting at its token ``indices[i]``. ``tokens (R,)`` holds each row's last
+    token on the device: the next block's input, or a plain step's.
 
     Args:
-        ring: ``(R, >= n)`` int64, row ``i``'s tokens in its first ``counts[i]`` columns; copied to the host now
-            (queued).
+        ring: ``(R, >= max(counts))`` int64, row ``i``'s tokens in its first ``counts[i]`` columns; copied to the host
+            now (queued).
         tokens: ``(R,)`` int64 on the device, copied now (the buffer it comes from moves on).
     """
 
-    def __init__(self, seqs: list[Sequence], indices: list[int], counts: list[int], n: int, ring: torch.Tensor,
+    def __init__(self, seqs: list[Sequence], indices: list[int], counts: list[int], ring: torch.Tensor,
                  tokens: torch.Tensor) -> None:
         super().__init__(seqs, indices, ring)
-        self.counts, self.n = counts, n
+        self.counts = counts
         self.tokens = tokens.clone()
 
     def values(self) -> list[list[int]]:
@@ -102,7 +102,7 @@ class EngineRing:
     def run(self, finished: list[RequestOutput]) -> bool:
         """Launch one block if the running batch qualifies, then read the block before it, if one is in flight (the
         engine resolved any other step first); False when the batch does not qualify, or when the free pages do not
-        hold two more tokens of every row (nothing changed then)."""
+        hold two more tokens of every row (fewer of a row with fewer left; nothing changed then)."""
         engine = self.engine
         n = self.size()
         previous = engine._pending  # None, or a block of these rows and those retired since (the engine resolved
@@ -195,4 +195,4 @@ class EngineRing:
                 greedy_step(logits, unfinished, no_eos, pad, ring, ids, positions, limits, counters)
         for seq, c in zip(seqs, counts):
             seq.num_computed += c
-        return RingBlock(seqs, engine._hold_places(seqs, counts), counts, n, ring, ids)
+        return RingBlock(seqs, engine._hold_places(seqs, counts), counts, ring, ids)

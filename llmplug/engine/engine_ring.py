@@ -116,7 +116,7 @@ class EngineRing:
             kept, seqs = [], longest_first(engine.scheduler.running)
         rooms = [_room(s, engine.runner.max_model_len) for s in seqs]
         if n:
-            n = engine.scheduler.reserve(seqs, n, least=2, caps=rooms)
+            n = engine.scheduler.reserve(seqs, n, rooms, least=2)
         if not n:
             return False
         engine.metrics.on_ring(n, engine.blocks)

@@ -138,11 +138,10 @@ class Scheduler:
             self._admit(plan, budget)
         return plan
 
-    def reserve(self, seqs: list[Sequence], n: int, least: int = 1, caps: list[int] | None = None) -> int:
-        """Pages for ``n`` more tokens of each running sequence in ``seqs`` (``min(n, caps[i])`` of ``seqs[i]`` when
-        given; copy-on-write of a shared last block included) without preempting anyone: ``n`` shrinks until the free
-        blocks hold every row's. Returns it, or 0 (nothing reserved) when even ``least`` tokens do not fit."""
-        caps = caps if caps is not None else [n] * len(seqs)
+    def reserve(self, seqs: list[Sequence], n: int, caps: list[int], least: int = 1) -> int:
+        """Pages for ``min(n, caps[i])`` more tokens of each running sequence ``seqs[i]`` (copy-on-write of a shared
+        last block included) without preempting anyone: ``n`` shrinks until the free blocks hold every row's. Returns
+        it, or 0 (nothing reserved) when even ``least`` tokens do not fit."""
         while n >= least and sum(self._blocks_needed(s, min(n, c)) for s, c in zip(seqs, caps)) > self.blocks.num_free:
             n -= 1
         if n < least:

@@ -36,9 +36,9 @@ def _spy_reserve(engine: Engine) -> list[tuple[int, int]]:
     tokens than it may still generate and that a granted one leaves no row writing into a shared page."""
     calls, reserve, size = [], engine.scheduler.reserve, engine.block_size
 
-    def spy(seqs, n, least=1, caps=None):
+    def spy(seqs, n, caps, least=1):
         assert n <= max(s.request.params.max_new_tokens - s.num_output for s in seqs)
-        got = reserve(seqs, n, least, caps)
+        got = reserve(seqs, n, caps, least)
         calls.append((n, got))
         for seq, cap in zip(seqs, caps) if got else ():
             assert min(got, cap) <= seq.request.params.max_new_tokens - seq.num_output

@@ -252,14 +252,18 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, count_ptr, out_ptr, stride_qt,
         stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kcp, stride_kch, stride_vcb,
         stride_vcp, stride_vch, stride_scb, stride_sch, stride_bt, stride_ot, stride_oh, scale, softcap, window,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr, SCALE_P: tl.constexpr,
     ):
-        # grid = (H, rows of the tile map): heads vary fastest so the GROUP query heads sharing a kv head run side by
-        # side (L2 reuse of K/V). Program (h, i) runs map row i's query tile (:func:`_tile_map`); the programs past
-        # the tile count, all at the grid's end, exit after one load.
-        h = tl.program_id(0)
+        # grid = (H // PACK, rows of the tile map): program (j, i) runs map row i's tile of BLOCK_M // PACK queries
+        # (:func:`_tile_map`) for the PACK query heads j * PACK ... that share one kv head, as BLOCK_M rows
+        # (query-major: row r is query r // PACK of head j * PACK + r % PACK), so each K/V tile serves PACK heads
+        # and the causal diagonal spans BLOCK_M // PACK keys. Heads vary fastest so the programs sharing a kv head
+        # run side by side (L2 reuse of K/V). The programs past the tile count, all at the grid's end, exit after
+        # one load.
+        h0 = tl.program_id(0) * PACK
         i = tl.program_id(1)
         if i >= tl.load(count_ptr):
             return
@@ -272,20 +276,23 @@ if triton is not None:
         # Inductor passes Python floats as fp64 (eager Triton as fp32): pin them, or the scores turn fp64.
         scale = tl.cast(scale, tl.float32)
         softcap = tl.cast(softcap, tl.float32)
-        hkv = h // GROUP
+        hkv = h0 // GROUP
 
-        offs_m = start_m + tl.arange(0, BLOCK_M)
+        r = tl.arange(0, BLOCK_M)
+        offs_m = start_m + r // PACK  # each row's query (chunk-relative)
+        heads = h0 + r % PACK  # each row's query head
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         rows = (q_start + offs_m).to(tl.int64)
         q_mask = (offs_m < q_len)[:, None]
         if BLOCK_D != HEAD_DIM:
             q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask,
+                    other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
         q_pos = ctx + offs_m  # absolute positions of this tile's queries
-        last_m = tl.minimum(start_m + BLOCK_M, q_len) - 1  # last real query of the tile (chunk-relative)
+        last_m = tl.minimum(start_m + BLOCK_M // PACK, q_len) - 1  # last real query of the tile (chunk-relative)
 
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: fully masked tiles give exp2(-inf) = 0, not NaN
@@ -354,7 +361,7 @@ if triton is not None:
         o_mask = (offs_m < q_len)[:, None]
         if BLOCK_D != HEAD_DIM:
             o_mask = o_mask & (offs_d < HEAD_DIM)[None, :]
-        o_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+        o_ptrs = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 def _launch_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, int]:
@@ -362,18 +369,23 @@ def _launch_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int
 
     BLOCK_M is a multiple of BLOCK_N so a query tile has exactly BLOCK_M / BLOCK_N masked diagonal tiles.
     """
-    # NOTE: D<=64 kept by an H100 sweep, D>64 untuned (2026-11-27; BENCHMARKS.md, "Fifth session", "Figures moved")
+    # NOTE: H200 sweep with 4 heads a program (2026-12-04; BENCHMARKS.md, "Session of 2026-12-04"); D>128 untuned
     if not on_gpu:
         # Interpreter: small tiles so short test sequences still span several query/key tiles (and every loop
         # kind runs); BLOCK_N = 16 against pages of 8/16/32 covers tiles spanning several pages and part of one.
         return 32, 16, 4, 1
     if dtype == torch.float32:  # exact fp32 dots (no tensor cores): a correctness path, not a fast one
         return (32, 32, 4, 2) if head_dim > 128 else (32, 16, 4, 2)
-    if head_dim <= 64:
-        return 128, 64, 4, 3
     if head_dim <= 128:
         return 128, 64, 8, 3
     return 64, 32, 8, 2
+
+
+def _pack(group: int, block_m: int, on_gpu: bool) -> int:
+    """Query heads a program takes together (see the kernel): the largest power of two that divides ``group`` (the
+    query heads per kv head), leaving at least 16 queries a tile on the GPU (4 in the interpreter's small tiles)."""
+    pack = group & -group
+    return max(1, min(pack, block_m // (16 if on_gpu else 4)))
 
 
 _MAP_BLOCK = 128  # sequences the map kernel takes at once
@@ -437,10 +449,12 @@ def _prefill_attention_op(
     batch = context_lens.shape[0]
     if t == 0 or batch == 0 or max_seqlen_q <= 0:
         return
-    block_m, block_n, num_warps, num_stages = _launch_config(d, q.dtype, q.device.type == "cuda")
-    tiles, count = _tile_map(cu_seqlens_q, context_lens, t, max_seqlen_q, block_m)
+    on_gpu = q.device.type == "cuda"
+    block_m, block_n, num_warps, num_stages = _launch_config(d, q.dtype, on_gpu)
+    pack = _pack(h // hkv, block_m, on_gpu)
+    tiles, count = _tile_map(cu_seqlens_q, context_lens, t, max_seqlen_q, block_m // pack)
     quant = k_scale is not None
-    maybe_wrap(_prefill_attention_kernel)[(h, tiles.shape[0])](
+    maybe_wrap(_prefill_attention_kernel)[(h // pack, tiles.shape[0])](
         q, k, v, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache,  # placeholders
         block_tables, tiles, count, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -449,7 +463,7 @@ def _prefill_attention_op(
         k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0,
         block_tables.stride(0), out.stride(0), out.stride(1),
         float(scale), float(softcap) if softcap > 0 else 1.0, int(sliding_window) if sliding_window > 0 else 1,
-        GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
+        GROUP=h // hkv, PACK=pack, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=softcap > 0, QUANT=quant, SCALE_P=q.dtype != torch.float16,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         # The interpreter mishandles bf16 (numpy has none): its tl.dot multiplies the raw bits and its casts truncate.

@@ -59,6 +59,7 @@ CASES = [
     pytest.param(F16, 64, 4, 1, 16, [1, 19, 37], [0, 5, 33], -1, 30.0, "fused", id="softcap-gqa4-d64-f16"),
     pytest.param(BF16, 128, 4, 2, 16, [37, 19], [33, 0], 18, 50.0, "fused", id="window18-softcap-d128-bf16"),
     pytest.param(F32, 80, 4, 1, 16, [37], [70], 40, 10.0, "fused", id="window40-softcap-longctx-d80-f32"),
+    pytest.param(BF16, 64, 12, 2, 16, [37, 5, 19], [0, 21, 3], -1, 0.0, "fused", id="gqa6-packs-2-heads-bf16"),
 ]
 
 
@@ -144,6 +145,16 @@ def test_tile_map_order(ctx_lens):
     if any(ctx_lens):
         default.sort(key=lambda r: -(r[4] + min(r[3] + block_m, r[2])))  # stable: ties keep the default order
     assert rows == default
+
+
+def test_pack_takes_query_heads_of_one_kv_head():
+    """A program takes the largest power of two of query heads that divides the group, keeping 16 queries a tile on
+    the GPU (4 in the interpreter's 32-row tiles)."""
+    from llmplug.ops.prefill_attention import _pack
+
+    assert [_pack(g, 128, True) for g in (1, 2, 3, 4, 6, 8, 16)] == [1, 2, 1, 4, 2, 8, 8]
+    assert [_pack(g, 32, False) for g in (4, 8, 16)] == [4, 8, 8]
+    assert _pack(4, 16, True) == 1
 
 
 def test_reference_matches_sdpa():

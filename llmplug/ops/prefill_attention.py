@@ -367,7 +367,7 @@ if triton is not None:
 def _launch_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head dim and dtype.
 
-    BLOCK_M is a multiple of BLOCK_N so a query tile has exactly BLOCK_M / BLOCK_N masked diagonal tiles.
+    BLOCK_M counts a program's rows: ``BLOCK_M // pack`` queries of ``pack`` heads (:func:`_pack`).
     """
     # NOTE: H200 sweep with 4 heads a program (2026-12-04; BENCHMARKS.md, "Session of 2026-12-04"); D>128 untuned
     if not on_gpu:

@@ -1,7 +1,7 @@
 """Where an Engine run's time goes: wall against GPU busy time (union of kernel intervals) and its idle gaps by size,
 kernel time by kind, and the host time of each runner path (graph replays, packed-step graphs, eager forwards).
 
-Usage: python benchmarks/engine_busy.py [MODEL [SCALE [WORKLOADS [GREEDY_RING]]]]   e.g. llama-1b 1.0 a,b,c 16
+Usage: python benchmarks/engine_busy.py [MODEL [SCALE [WORKLOADS [GREEDY_RING [STEPS_AHEAD]]]]]  (llama-1b 1 a,b 16 2)
 Each workload runs twice after the throughput benchmark's warm-up: unprofiled (wall, % of floor), then under the
 CUDA profiler. The profiled run is also split at the end of its last prefill-attention kernel: the prefill phase
 (prompts still arriving in chunks, decodes riding along) and the decode phase, each with its span, busy time, idle
@@ -70,13 +70,14 @@ def main() -> None:
     scale = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
     keys = sys.argv[3].split(",") if len(sys.argv) > 3 else ["a", "b", "c"]
     ring = int(sys.argv[4]) if len(sys.argv) > 4 else llmplug.EngineConfig.greedy_ring
+    ahead = int(sys.argv[5]) if len(sys.argv) > 5 else llmplug.EngineConfig.steps_ahead
     torch.manual_seed(0)
     model = shapes.build(name, torch.bfloat16, "cuda")
     cost, ceil = ModelCost.of(model), timing.ceilings("cuda")
     llmplug.optimize(model)
     vocab = model.config.vocab_size
     wls = {k: workloads.build(k, vocab, scale) for k in keys}
-    config = llmplug.EngineConfig(greedy_ring=ring)
+    config = llmplug.EngineConfig(greedy_ring=ring, steps_ahead=ahead)
     print(f"warm-up {warm_up(model, config, list(wls.values()), vocab):.1f} s", flush=True)
     host, calls = collections.defaultdict(float), collections.Counter()
     for path in ("_replay_uniform", "_replay_prefill", "_forward"):

@@ -438,6 +438,8 @@ def add_arguments(p: argparse.ArgumentParser, default_out: str | None = None) ->
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default=EngineConfig.preemption_mode)
     p.add_argument("--greedy-ring", type=int, default=EngineConfig.greedy_ring,
                    help="greedy decode steps an all-greedy batch runs per host read (0: one step a call)")
+    p.add_argument("--steps-ahead", type=int, default=EngineConfig.steps_ahead,
+                   help="plain steps in flight before the host reads a step's tokens")
     p.add_argument("--slo-ttft", type=float, default=EngineConfig.slo_ttft_s, help="goodput TTFT target, s")
     p.add_argument("--slo-tpot", type=float, default=EngineConfig.slo_tpot_s, help="goodput TPOT target, s")
     p.add_argument("--kv-blocks", type=int, help="KV pool pages; default: sized from memory on CUDA, 2048 on CPU")
@@ -496,7 +498,8 @@ def main(args: argparse.Namespace) -> int:
     scale = args.scale if args.scale is not None else (1.0 if cuda else 0.05)
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                  preemption_mode=args.preemption_mode, slo_ttft_s=args.slo_ttft,
-                                 slo_tpot_s=args.slo_tpot, greedy_ring=args.greedy_ring)
+                                 slo_tpot_s=args.slo_tpot, greedy_ring=args.greedy_ring,
+                                 steps_ahead=args.steps_ahead)
     blocks = args.kv_blocks if args.kv_blocks is not None else (None if cuda else 2048)
     optimize_config = OptimizeConfig(kv_num_blocks=blocks, kv_memory_fraction=args.kv_memory_fraction,
                                      max_model_len=args.max_model_len, gemm_tuning=args.gemm_tuning,

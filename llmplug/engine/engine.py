@@ -10,6 +10,7 @@ to ``EngineConfig.greedy_ring`` decode steps whose tokens the host reads once (:
 from __future__ import annotations
 
 import array
+import collections
 import itertools
 import operator
 import threading
@@ -111,8 +112,8 @@ class Engine(ServingMixin, RankZeroMixin):
         self._stopping = False
         self._loop_error: BaseException | None = None
         self._warmed = False
-        # the last launched step (or greedy block), whose tokens the host has not seen yet
-        self._pending: PendingStep | RingBlock | None = None
+        # launched steps (or a greedy block) whose tokens the host has not seen yet, oldest first
+        self._inflight: collections.deque[PendingStep | RingBlock] = collections.deque()
         self.speculation = EngineSpeculation(self)
         self.scheduler.on_release = self.speculation.release
         self.ring = EngineRing(self)
@@ -208,12 +209,13 @@ class Engine(ServingMixin, RankZeroMixin):
     # ---- one step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Launch one scheduled batch, then learn the previous batch's tokens; returns the requests that finished.
+        """Launch one scheduled batch, then learn an earlier batch's tokens; returns the requests that finished.
 
-        The host learns a step's sampled tokens one step late: step ``n + 1`` is launched (its decode inputs read
-        step ``n``'s tokens on the device) before the host waits for step ``n``, so the GPU does not idle on the host's
-        bookkeeping (except while a penalised request runs: penalties need every earlier token on the host). A
-        sequence that stops at step ``n`` has one extra token computed in step ``n + 1``, then dropped.
+        The host learns a step's sampled tokens ``d = EngineConfig.steps_ahead`` steps late: step ``n + d`` is launched
+        (its decode inputs read the tokens of the steps before on the device) before the host waits for step ``n``,
+        so the GPU does not idle on the host's bookkeeping (except while a penalised or speculating request runs: they
+        need every earlier token on the host, so every step in flight is read first). A sequence that stops at step
+        ``n`` has up to ``d`` extra tokens computed in the steps after, then dropped.
 
         While every running request decodes greedily and nothing waits (:mod:`.engine_ring`), one call instead
         launches a block of up to ``EngineConfig.greedy_ring`` decode steps and then resolves the step or block in
@@ -229,12 +231,12 @@ class Engine(ServingMixin, RankZeroMixin):
         finished: list[RequestOutput] = []
         self._take_inbox(finished)
         if self.ring.size():  # the running batch decodes greedily: a block of steps, launched before the last is read
-            if self._pending is not None and not self.ring.continues(self._pending):
-                self._resolve(finished)
+            inflight = self._inflight
+            self._resolve(finished, keep=int(bool(inflight) and self.ring.continues(inflight[-1])))
             if self.ring.run(finished):
                 return finished
         speculating = self.speculation.active()
-        if self._pending is not None and (speculating or any(s.request.params.penalised for s in self._pending.seqs)):
+        if speculating or any(s.request.params.penalised for step in self._inflight for s in step.seqs):
             self._resolve(finished)  # drafts and penalties read every earlier token on the host: no step ahead then
         plan = self.scheduler.schedule()
         self.metrics.on_schedule(plan, self.blocks)
@@ -249,9 +251,12 @@ class Engine(ServingMixin, RankZeroMixin):
                 self.blocks.reset_cache()
                 for seq in plan.seqs:
                     self._fail(seq.request, error, finished)
-        if self._pending is not None:
+        if launched is None:
             self._resolve(finished)
-        self._pending = launched
+            return finished
+        self._inflight.append(launched)
+        # a greedy block is read once a plain step follows it (the ring's rows may drop out under later steps)
+        self._resolve(finished, keep=1 if isinstance(self._inflight[0], RingBlock) else self.config.steps_ahead)
         return finished
 
     def _launch(self, plan: StepPlan) -> PendingStep | None:
@@ -300,12 +305,17 @@ class Engine(ServingMixin, RankZeroMixin):
                 self.scheduler.retire(seq)
         return indices
 
-    def _resolve(self, finished: list[RequestOutput]) -> None:
-        """Wait for the pending step's tokens, put them in place, check stop conditions, stream."""
-        pending, self._pending = self._pending, None
-        if isinstance(pending, RingBlock):
-            self.ring.resolve(pending, finished)
-            return
+    def _resolve(self, finished: list[RequestOutput], keep: int = 0) -> None:
+        """Read the steps in flight, oldest first, until ``keep`` are left: wait for each one's tokens, put them in
+        place, check stop conditions, stream."""
+        while len(self._inflight) > keep:
+            pending = self._inflight.popleft()
+            if isinstance(pending, RingBlock):
+                self.ring.resolve(pending, finished)
+            else:
+                self._resolve_step(pending, finished)
+
+    def _resolve_step(self, pending: PendingStep, finished: list[RequestOutput]) -> None:
         values = pending.values()
         now, count, P = time.perf_counter(), 0, self.block_size
         for seq, index, token in zip(pending.seqs, pending.indices, values):
@@ -327,9 +337,9 @@ class Engine(ServingMixin, RankZeroMixin):
         for slots, blocks in plan.swap_in:
             self.scheduler.swap.swap_in(slots, blocks)
         tables = self.page_table.rows([s.blocks for s in plan.seqs])
-        pending, ids, positions = self._pending, None, None
+        pending, ids, positions = self._inflight[-1] if self._inflight else None, None, None
         if pending is not None and plan.seqs == pending.seqs and plan.num_tokens == len(plan.seqs):
-            # a decode step of the rows the previous step sampled, in its order: its tokens are the input (and, after a
+            # a decode step of the rows the last step sampled, in its order: its tokens are the input (and, after a
             # decode step of the same rows, its positions follow theirs), all on the device
             ids = pending.tokens
             positions = None if pending.positions is None else pending.positions + 1
@@ -344,18 +354,30 @@ class Engine(ServingMixin, RankZeroMixin):
         return logits, rows, ctx
 
     def _fill_placeholders(self, ctx: StepContext, plan: StepPlan) -> None:
-        """Overwrite, on the device, the input ids of one-token rows whose token the previous step sampled."""
-        if self._pending is None:
+        """Overwrite, on the device, the input ids that are placeholders: tokens steps in flight sampled.
+
+        Raises:
+            RuntimeError: a placeholder that no step in flight holds (a broken invariant, never a wrong token).
+        """
+        if not self._inflight:
             return
-        dst, src = [], []
+        moves = [([], []) for _ in self._inflight]  # per step in flight: (input rows, its token rows)
         for seq, n, start in zip(plan.seqs, plan.num_new, ctx.row_starts):
-            if n == 1 and seq.tokens[-1] == PLACEHOLDER and id(seq) in self._pending.row_of:
-                dst.append(start)
-                src.append(self._pending.row_of[id(seq)])
-        if not dst:
-            return
-        index = to_device(torch.tensor([dst, src]), ctx.input_ids.device)
-        ctx.input_ids[index[0]] = self._pending.tokens[index[1]]
+            first = seq.num_computed
+            for index in range(max(first, seq.resolved), first + n):  # tokens from ``resolved`` on are placeholders
+                for (dst, src), step in zip(moves, self._inflight):
+                    row = step.row_of.get(id(seq))
+                    if row is not None and step.last_index(row) == index:
+                        dst.append(start + index - first)
+                        src.append(row)
+                        break
+                else:
+                    raise RuntimeError(f"token {index} of request {seq.request.request_id!r} is a placeholder that "
+                                       "no step in flight holds")
+        for (dst, src), step in zip(moves, self._inflight):
+            if dst:
+                index = to_device(torch.tensor([dst, src]), ctx.input_ids.device)
+                ctx.input_ids[index[0]] = step.tokens[index[1]]
 
     def _fork(self, seqs: list[Sequence]) -> list[tuple[Sequence, Sequence]]:
         """Siblings for each request with ``n > 1`` about to sample its first token; they share its blocks."""

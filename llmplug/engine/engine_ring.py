@@ -65,6 +65,9 @@ class RingBlock(PendingStep):
         self.counts = counts
         self.tokens = tokens.clone()
 
+    def last_index(self, row: int) -> int:
+        return self.indices[row] + self.counts[row] - 1
+
     def values(self) -> list[list[int]]:
         """Each row's ``counts[i]`` tokens."""
         return [row[:c] for row, c in zip(self.read.values(), self.counts)]
@@ -105,9 +108,10 @@ class EngineRing:
         hold two more tokens of every row (fewer of a row with fewer left; nothing changed then)."""
         engine = self.engine
         n = self.size()
-        previous = engine._pending  # None, or a block of these rows and those retired since (the engine resolved
-        # anything else); rows keep its order: they all advance alike, so it stays longest context first (the decode
-        # attention kernel starts its programs in row order, see the scheduler)
+        # None, or a block of these rows and those retired since (the engine read anything else in flight); rows keep
+        # its order: they all advance alike, so it stays longest context first (the decode attention kernel starts its
+        # programs in row order, see the scheduler)
+        previous = engine._inflight[-1] if engine._inflight else None
         if previous is not None:
             running = {id(s) for s in engine.scheduler.running}
             kept = [r for r, s in enumerate(previous.seqs) if id(s) in running]
@@ -120,15 +124,14 @@ class EngineRing:
         if not n:
             return False
         engine.metrics.on_ring(n, engine.blocks)
-        engine._pending = None
         try:
-            engine._pending = self._launch(seqs, [min(n, r) for r in rooms], n, previous, kept)
+            engine._inflight.append(self._launch(seqs, [min(n, r) for r in rooms], n, previous, kept))
         except Exception as error:  # a failed block fails its requests; the engine keeps serving the others
             engine.blocks.reset_cache()
             for seq in seqs:
                 engine._fail(seq.request, error, finished)
         if previous is not None:  # its rows retired since, too, finish with it
-            self.resolve(previous, finished)
+            engine._resolve(finished, keep=len(engine._inflight) - 1)
         return True
 
     def resolve(self, block: RingBlock, finished: list[RequestOutput]) -> None:

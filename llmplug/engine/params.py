@@ -210,6 +210,10 @@ class EngineConfig:
             the GPU step is the longer one (H200, 1B: (b) 0-1.0% faster, (a) within its noise; the 8B not measured
             since blocks stopped idling the GPU on their read; BENCHMARKS.md); it pays where the host is slower than
             the model (tiny models, CPU).
+        steps_ahead: plain steps launched before the host reads a step's tokens (1: the next step is launched, then
+            the last one read; 2: two steps in flight, so a host stall up to a GPU step long idles nothing). A sequence
+            that stops on a token has up to this many extra tokens computed, then dropped, and outputs come this many
+            steps after their tokens are computed. 1 to 4.
     """
 
     max_num_seqs: int = 256
@@ -223,6 +227,7 @@ class EngineConfig:
     slo_tpot_s: float = 0.1
     speculative: SpeculativeConfig | None = None
     greedy_ring: int = 0
+    steps_ahead: int = 1
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
@@ -245,3 +250,5 @@ class EngineConfig:
                f"speculative={self.speculative!r} must be a SpeculativeConfig or None")
         _check(_is_int(self.greedy_ring) and 0 <= self.greedy_ring <= GREEDY_RING,
                f"greedy_ring={self.greedy_ring!r} must be an int in [0, {GREEDY_RING}] (0 or 1: off)")
+        _check(_is_int(self.steps_ahead) and 1 <= self.steps_ahead <= 4,
+               f"steps_ahead={self.steps_ahead!r} must be an int in [1, 4]")

@@ -26,5 +26,9 @@ class PendingStep:
         """``id(seq)`` -> its row in ``tokens``."""
         return {id(s): r for r, s in enumerate(self.seqs)}
 
+    def last_index(self, row: int) -> int:
+        """The index, in its sequence's tokens, of the token ``tokens[row]`` holds."""
+        return self.indices[row]
+
     def values(self) -> list:
         return self.read.values()

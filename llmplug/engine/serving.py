@@ -120,7 +120,7 @@ class ServingMixin:
     def _loop(self) -> None:
         try:
             while not self._stopping:
-                if not self.scheduler.has_work() and self._pending is None and not self._inbox and not self._aborts:
+                if not self.scheduler.has_work() and not self._inflight and not self._inbox and not self._aborts:
                     if self.tp_requests is not None:  # idle under tensor parallelism: keep the followers' steps
                         self.step()  # coming, within their collectives' timeout
                     self._wake.wait(0.05)

@@ -310,15 +310,17 @@ def test_greedy_step_cuda(rows, vocab, dtype):
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_engine_greedy_fp32_matches_stock_per_request(family, mode):
-    """Engine on CUDA (graphs, async steps, chunked prefill, preemption forced by a small pool, prefix hits from a
-    shared prefix, n > 1) gives each greedy request stock HF's tokens for that prompt alone."""
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_engine_greedy_fp32_matches_stock_per_request(family, mode, ahead):
+    """Engine on CUDA (graphs, ``ahead`` steps in flight, chunked prefill, preemption forced by a small pool, prefix
+    hits from a shared prefix, n > 1) gives each greedy request stock HF's tokens for that prompt alone."""
     torch.manual_seed(0)
     stock = make_model(family).cuda()
     fast = make_model(family).cuda()
     fast.load_state_dict(stock.state_dict())
     llmplug.optimize(fast, kv_num_blocks=24, kv_block_size=8)
-    config = llmplug.EngineConfig(max_num_batched_tokens=32, preemption_mode=mode, swap_space_gb=0.001)
+    config = llmplug.EngineConfig(max_num_batched_tokens=32, preemption_mode=mode, swap_space_gb=0.001,
+                                  steps_ahead=ahead)
     engine = llmplug.Engine(fast, config)
     engine.warmup()
     shared = prompts(1, lengths=(17,), seed=3)[0]

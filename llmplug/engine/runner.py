@@ -65,9 +65,10 @@ class ModelRunner:
         self.meta: AttentionMetadata | None = None
         text = model.config.get_text_config()
         self.num_layers = text.num_hidden_layers
+        self.num_heads = text.num_attention_heads  # this rank's query and KV heads
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         if tp is not None:
-            self.num_kv_heads = head_split(text.num_attention_heads, self.num_kv_heads, tp.size)[1]
+            self.num_heads, self.num_kv_heads = head_split(text.num_attention_heads, self.num_kv_heads, tp.size)
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.max_model_len = config.max_model_len or getattr(text, "max_position_embeddings", 8192)
         if config.max_model_len is not None:  # where the limit comes from, for error messages

@@ -390,6 +390,26 @@ def _pack(group: int, block_m: int, on_gpu: bool) -> int:
 
 _MAP_BLOCK = 128  # sequences the map kernel takes at once
 _SORT_ROWS = 1024  # maps of up to this many rows are sorted (where a sequence has context)
+_SORT_MIN = 64  # the smallest sort: six kernel variants in all, each compiled at warm-up (compile_tile_maps)
+
+
+def _sort_size(rows: int) -> int:
+    """The map kernel's ``SORT`` for a map of ``rows`` rows: a power of two >= rows, or 0 (no sort) past _SORT_ROWS."""
+    return max(_SORT_MIN, next_pow2(rows)) if rows <= _SORT_ROWS else 0
+
+
+def compile_tile_maps(head_dim: int, group: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile now every variant of the map kernel that prefill steps of this attention shape may pick (one per sort
+    size; a variant first met mid-serving compiled for 1.8 s on an H100, BENCHMARKS.md "Session of 2026-12-05").
+
+    ``group``: query heads per kv head. Each map is of one empty sequence (it lists no tile) sized to its variant.
+    """
+    on_gpu = device.type == "cuda"
+    block_m = _launch_config(head_dim, dtype, on_gpu)[0]
+    q_block = block_m // _pack(group, block_m, on_gpu)
+    cu, ctx = torch.zeros(2, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
+    for rows in [2 * _SORT_ROWS] + [1 << i for i in range(_SORT_MIN.bit_length() - 1, _SORT_ROWS.bit_length())]:
+        _tile_map(cu, ctx, rows * q_block, rows * q_block, q_block)  # a map of `rows` rows
 
 
 def _tile_map(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, num_tokens: int,
@@ -414,9 +434,8 @@ def _tile_map(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, num_tokens
     rows = min(num_tokens // block_m + batch, batch * max_tiles)
     tiles = torch.empty((rows, TILE_FIELDS), dtype=torch.int32, device=cu_seqlens_q.device)
     count = torch.empty(1, dtype=torch.int32, device=cu_seqlens_q.device)
-    sort = next_pow2(rows) if rows <= _SORT_ROWS else 0
     maybe_wrap(_tile_map_kernel)[(1,)](cu_seqlens_q, context_lens, tiles, count, batch, max_tiles, BLOCK_M=block_m,
-                                       BLOCK=_MAP_BLOCK, SORT=sort, num_warps=8)
+                                       BLOCK=_MAP_BLOCK, SORT=_sort_size(rows), num_warps=8)
     return tiles, count
 
 

@@ -147,6 +147,32 @@ def test_tile_map_order(ctx_lens):
     assert rows == default
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="compiled kernels only: run with TRITON_INTERPRET=0")
+@pytest.mark.parametrize("d, group, dtype", [(64, 4, torch.bfloat16), (128, 4, torch.bfloat16),
+                                             (256, 2, torch.float16)])
+def test_compile_tile_maps_leaves_no_variant_to_compile(d, group, dtype):
+    """After ``compile_tile_maps`` a map of any size (sorted or not) is served from the kernel's cache."""
+    from triton import knobs
+
+    from llmplug.ops.prefill_attention import _launch_config, _pack, _tile_map, compile_tile_maps
+
+    compile_tile_maps(d, group, dtype, torch.device("cuda"))
+    block_m = _launch_config(d, dtype, True)[0]
+    q_block = block_m // _pack(group, block_m, True)
+    misses, before = [], knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda **kw: misses.append(kw["repr"]) and False
+    try:
+        for batch in (1, 3, 40, 129, 700, 1500):
+            cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * q_block
+            ctx = torch.full((batch,), 5, dtype=torch.int32, device="cuda")
+            _tile_map(cu, ctx, batch * q_block, q_block, q_block)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_cache_hook = before
+    assert misses == []
+
+
 def test_pack_takes_query_heads_of_one_kv_head():
     """A program takes the largest power of two of query heads that divides the group, keeping 16 queries a tile on
     the GPU (4 in the interpreter's 32-row tiles)."""

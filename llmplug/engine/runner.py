@@ -65,7 +65,7 @@ class ModelRunner:
         self.meta: AttentionMetadata | None = None
         text = model.config.get_text_config()
         self.num_layers = text.num_hidden_layers
-        self.num_heads = text.num_attention_heads  # this rank's query and KV heads
+        self.num_heads = text.num_attention_heads  # this rank's query heads (kv heads below), split under TP
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         if tp is not None:
             self.num_heads, self.num_kv_heads = head_split(text.num_attention_heads, self.num_kv_heads, tp.size)

@@ -398,18 +398,24 @@ def _sort_size(rows: int) -> int:
     return max(_SORT_MIN, next_pow2(rows)) if rows <= _SORT_ROWS else 0
 
 
-def compile_tile_maps(head_dim: int, group: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Compile now every variant of the map kernel that prefill steps of this attention shape may pick (one per sort
-    size; a variant first met mid-serving compiled for 1.8 s on an H100, BENCHMARKS.md "Session of 2026-12-05").
-
-    ``group``: query heads per kv head. Each map is of one empty sequence (it lists no tile) sized to its variant.
-    """
-    on_gpu = device.type == "cuda"
+def _tile_queries(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool) -> int:
+    """Queries a tile of the attention kernel covers (its map's ``block_m``): ``BLOCK_M // pack``."""
     block_m = _launch_config(head_dim, dtype, on_gpu)[0]
-    q_block = block_m // _pack(group, block_m, on_gpu)
+    return block_m // _pack(group, block_m, on_gpu)
+
+
+def compile_tile_maps(head_dim: int, group: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile now every variant of the map kernel that prefill steps of this attention shape may pick, one per sort
+    size (a variant first met mid-serving compiled for 1.76 s on an H100, BENCHMARKS.md "Sessions of 2026-12-05 and
+    2026-12-06").
+
+    ``group``: query heads per kv head. Each map is of one empty sequence (it lists no tile), ``rows`` rows long.
+    """
+    q_block = _tile_queries(head_dim, group, dtype, device.type == "cuda")
     cu, ctx = torch.zeros(2, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
-    for rows in [2 * _SORT_ROWS] + [1 << i for i in range(_SORT_MIN.bit_length() - 1, _SORT_ROWS.bit_length())]:
-        _tile_map(cu, ctx, rows * q_block, rows * q_block, q_block)  # a map of `rows` rows
+    sorted_rows = [_SORT_MIN << i for i in range((_SORT_ROWS // _SORT_MIN).bit_length())]  # 64, 128, ..., 1024
+    for rows in [*sorted_rows, 2 * _SORT_ROWS]:  # the last one unsorted
+        _tile_map(cu, ctx, rows * q_block, rows * q_block, q_block)
 
 
 def _tile_map(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, num_tokens: int,

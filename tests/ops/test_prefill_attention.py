@@ -155,11 +155,10 @@ def test_compile_tile_maps_leaves_no_variant_to_compile(d, group, dtype):
     """After ``compile_tile_maps`` a map of any size (sorted or not) is served from the kernel's cache."""
     from triton import knobs
 
-    from llmplug.ops.prefill_attention import _launch_config, _pack, _tile_map, compile_tile_maps
+    from llmplug.ops.prefill_attention import _tile_map, _tile_queries, compile_tile_maps
 
     compile_tile_maps(d, group, dtype, torch.device("cuda"))
-    block_m = _launch_config(d, dtype, True)[0]
-    q_block = block_m // _pack(group, block_m, True)
+    q_block = _tile_queries(d, group, dtype, True)
     misses, before = [], knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = lambda **kw: misses.append(kw["repr"]) and False
     try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops import act_mul as _op  # noqa: F401 - registers llmplug::act_mul
+
 _PATTERNS = None  # the pattern pass, traced on first use (tracing takes a moment; most processes never compile)
 
 
@@ -42,8 +44,6 @@ def _patterns():
     global _PATTERNS
     if _PATTERNS is None:
         from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
-
-        import llmplug.ops.act_mul  # noqa: F401 - registers llmplug::act_mul
 
         patterns = PatternMatcherPass()
         for dtype in (torch.bfloat16, torch.float16, torch.float32):

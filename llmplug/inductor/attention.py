@@ -17,6 +17,7 @@ import operator
 
 import torch
 
+from ..ops import dense_decode_attention as _op  # noqa: F401 - registers llmplug::dense_decode_attention
 from .nodes import call, is_call, is_view, value
 
 aten = torch.ops.aten
@@ -134,8 +135,6 @@ def match(node: torch.fx.Node) -> dict | None:
 def replace(graph: torch.fx.Graph) -> int:
     """Replace every decode-step SDPA over HF's static cache in ``graph`` with ``llmplug::dense_decode_attention``;
     returns how many."""
-    import llmplug.ops.dense_decode_attention  # noqa: F401 - registers llmplug::dense_decode_attention
-
     count = 0
     for node in list(graph.nodes):
         found = match(node)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+# each pattern module imports (registers) the llmplug ops it emits: a graph Inductor serves from its FX cache calls
+# them without this pass having run
 from . import act_mul, all_reduce, attention, gemv, merge, nodes, rms_norm, rope_attention
 
 # pattern name -> replace(graph) -> matches (or matches by name); run in this order

@@ -17,6 +17,7 @@ import operator
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
+from ..ops import rope_dense_decode_attention as _op  # noqa: F401 - registers llmplug::rope_dense_decode_attention
 from .nodes import call, fake_value, is_call, is_view, value
 
 aten = torch.ops.aten
@@ -121,8 +122,6 @@ def match(node) -> dict | None:
 
 def replace(graph: torch.fx.Graph) -> int:
     """Fold every matching RoPE + cache store into its ``dense_decode_attention``; returns how many."""
-    import llmplug.ops.rope_dense_decode_attention  # noqa: F401 - registers llmplug::rope_dense_decode_attention
-
     op = torch.ops.llmplug.rope_dense_decode_attention.default
     count = 0
     for node in list(graph.nodes):

@@ -279,3 +279,56 @@ def test_decode_attention_mask_as_a_bias(monkeypatch, hidden, matched):
     got = torch.compile(f, backend="llmplug")(q, k, v, mask)
     torch.testing.assert_close(got, f(q, k, v, mask), rtol=1e-5, atol=1e-5)
     assert llmplug.inductor.report()["dense_decode_attention"] == matched
+
+
+_WARM_CACHE_SCRIPT = """
+import sys
+import torch
+import torch.nn.functional as F
+import llmplug.inductor
+from llmplug.inductor import attention
+
+attention.DEVICES = ("cuda", "cpu")
+
+def f(q, k, v):
+    kr, vr = (t[:, :, None].expand(2, 2, 3, 11, 16).reshape(2, 6, 11, 16) for t in (k, v))
+    return F.scaled_dot_product_attention(q, kr, vr, scale=0.3)
+
+torch.manual_seed(0)
+q, k, v = torch.randn(2, 6, 1, 16), torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 16)
+torch.testing.assert_close(torch.compile(f, backend="llmplug")(q, k, v), f(q, k, v), rtol=1e-5, atol=1e-5)
+print(llmplug.inductor.report().get("dense_decode_attention", 0))
+"""
+
+
+def test_a_graph_served_from_inductors_cache_finds_llmplugs_ops(tmp_path):
+    """Two fresh processes compile the same decode attention with Inductor's FX cache in one folder: the second is
+    served the first's code, which calls ``llmplug::dense_decode_attention`` though no pass ran to import it (on the
+    H100 this raised AttributeError for ``rope_dense_decode_attention`` on a warm machine)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+           "TRITON_INTERPRET": "1"}
+    runs = [subprocess.run([sys.executable, "-c", _WARM_CACHE_SCRIPT], env=env, capture_output=True, text=True)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert [run.stdout.split()[-1] for run in runs] == ["1", "0"]  # compiled once, then served from the cache
+
+
+def test_every_op_the_passes_emit_is_registered_by_importing_them():
+    """Each ``torch.ops.llmplug.NAME`` the pattern modules name resolves once the backend has imported its passes,
+    in a fresh process (what a graph served from Inductor's cache needs)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = Path(llmplug.inductor.__file__).parent
+    names = sorted({n for f in folder.glob("*.py") for n in re.findall(r"torch\.ops\.llmplug\.(\w+)", f.read_text())})
+    assert "rope_dense_decode_attention" in names and len(names) >= 10
+    check = f"import torch, llmplug.inductor.passes; print([n for n in {names!r} if not hasattr(torch.ops.llmplug, n)])"
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr[-2000:]

@@ -282,7 +282,6 @@ def test_decode_attention_mask_as_a_bias(monkeypatch, hidden, matched):
 
 
 _WARM_CACHE_SCRIPT = """
-import sys
 import torch
 import torch.nn.functional as F
 import llmplug.inductor
